@@ -1,0 +1,3 @@
+from ckptfs.cli import main
+
+main()

@@ -1,0 +1,232 @@
+"""The ``ckptfs`` command line.
+
+Invariants:
+- A user error (``UserError``) prints one line, ``ckptfs: error: ...``, and exits non-zero;
+  never a traceback. Only bugs print tracebacks.
+- ``ckptfs mount`` without ``--foreground`` returns only once the mount is ready (or with the
+  daemon's one-line error): the daemon reports through a pipe (``--ready-fd``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ckptfs.config import Config, load_config
+from ckptfs.errors import UserError
+from ckptfs.mountinfo import FSTYPE, find, normalize
+
+app = typer.Typer(
+    name="ckptfs",
+    help="Checkpoint filesystem: write to local NVMe, upload to shared storage in the background.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ConfigOpt = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", help="TOML config file (default: $CKPTFS_CONFIG, or none).",
+                 show_default=False),
+]
+
+READY_TIMEOUT = 120.0
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _abs(path: Path | None) -> Path | None:
+    return None if path is None else Path(os.path.abspath(path.expanduser()))
+
+
+@app.command()
+def mount(
+    mountpoint: Annotated[Path, typer.Argument(help="Where to mount, e.g. /ckpt.")],
+    config_file: ConfigOpt = None,
+    staging: Annotated[Optional[Path], typer.Option(
+        help="Staging directory on local NVMe.", show_default=False)] = None,
+    store: Annotated[Optional[str], typer.Option(
+        help="Warm tier: a directory, file:///dir or s3://bucket/prefix.",
+        show_default=False)] = None,
+    allow_other: Annotated[Optional[bool], typer.Option(
+        "--allow-other/--no-allow-other", help="Let other users use the mount.",
+        show_default=False)] = None,
+    log_level: Annotated[Optional[str], typer.Option(
+        help="debug, info, warning or error.", show_default=False)] = None,
+    foreground: Annotated[bool, typer.Option(
+        "--foreground", "-f", help="Serve in this process (systemd, debugging).")] = False,
+    ready_fd: Annotated[Optional[int], typer.Option(hidden=True)] = None,
+) -> None:
+    """Mount ckptfs at MOUNTPOINT; returns once the mount is ready."""
+    overrides: dict[str, Any] = {
+        "staging_dir": _abs(staging),
+        "store": store,
+        "allow_other": allow_other,
+        "log_level": log_level,
+    }
+    config = load_config(_abs(config_file), overrides)
+    if not foreground:
+        _spawn_daemon(mountpoint, config_file, overrides)
+        return
+    _serve_foreground(config, mountpoint, ready_fd)
+
+
+def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]) -> None:
+    """Start ``mount --foreground`` detached and relay its readiness or its one-line error."""
+    args = [sys.executable, "-m", "ckptfs", "mount", os.path.abspath(mountpoint), "--foreground"]
+    if config_file is not None:
+        args += ["--config", str(_abs(config_file))]
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        flag = "--" + ("staging" if key == "staging_dir" else key.replace("_", "-"))
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    read_end, write_end = os.pipe()
+    args += ["--ready-fd", str(write_end)]
+    with open(os.devnull, "rb") as devnull:
+        proc = subprocess.Popen(
+            args, stdin=devnull, pass_fds=(write_end,), start_new_session=True, cwd="/",
+        )
+    os.close(write_end)
+    message = _read_ready(read_end, proc)
+    if message != "ok":
+        raise UserError(message.removeprefix("error: "), exit_code=1)
+
+
+def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
+    chunks = []
+    deadline = time.monotonic() + READY_TIMEOUT
+    with os.fdopen(fd, "rb") as pipe:
+        while time.monotonic() < deadline:
+            chunk = pipe.read(4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    text = b"".join(chunks).decode(errors="replace").strip()
+    if text:
+        return text
+    code = proc.poll()
+    return f"error: the ckptfs daemon exited (code {code}) before the mount was ready"
+
+
+def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
+    import trio
+
+    from ckptfs import mount as mount_mod
+
+    _setup_logging(config.log_level)
+
+    def report(message: str) -> None:
+        nonlocal ready_fd
+        if ready_fd is not None:
+            os.write(ready_fd, message.encode() + b"\n")
+            os.close(ready_fd)
+            ready_fd = None
+
+    try:
+        real_mountpoint, staging = mount_mod.prepare(config, mountpoint)
+    except UserError as exc:
+        report(f"error: {exc}")
+        raise
+    if ready_fd is not None:
+        # Detached: from here on, logs go to the staging directory.
+        log_fd = os.open(staging.root / mount_mod.LOG_NAME,
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+    try:
+        trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"))
+    except BaseException as exc:
+        report(f"error: {exc}" if str(exc) else f"error: {type(exc).__name__}")
+        raise
+
+
+@app.command()
+def umount(
+    mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mountpoint.")],
+    lazy: Annotated[bool, typer.Option("--lazy", "-z", help="Detach even if busy.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the daemon to exit.")] = 120.0,
+) -> None:
+    """Unmount a ckptfs mount and wait for its daemon to exit."""
+    entry = find(mountpoint)
+    if entry is None:
+        raise UserError(f"{mountpoint} is not mounted")
+    if entry.fstype != FSTYPE:
+        raise UserError(f"{mountpoint} is not a ckptfs mount (it is {entry.fstype})")
+    info = daemon_info(Path(entry.mountpoint))
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [entry.mountpoint]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
+        if "busy" in reason.lower():
+            reason = "it is busy (files are open or a process has its cwd there); try --lazy"
+        raise UserError(f"cannot unmount {mountpoint}: {reason}", exit_code=1)
+    pid = info.get("pid") if info else None
+    if isinstance(pid, int) and not _wait_exit(pid, timeout):
+        raise UserError(f"unmounted, but daemon {pid} is still running after {timeout:.0f}s",
+                        exit_code=1)
+
+
+def daemon_info(mountpoint: Path, timeout: float = 5.0) -> dict[str, Any] | None:
+    """What the daemon serving ``mountpoint`` says of itself; None if it does not answer."""
+    result: list[dict[str, Any]] = []
+
+    def ask() -> None:
+        try:
+            raw = os.getxattr(normalize(mountpoint), "user.ckptfs.daemon")
+            result.append(json.loads(raw))
+        except (OSError, ValueError):
+            pass
+
+    # A hung daemon would block getxattr forever: ask from a thread we can abandon.
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return result[0] if result else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as exc:
+        print(f"ckptfs: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)

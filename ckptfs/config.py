@@ -1,0 +1,264 @@
+"""Typed configuration: one TOML file plus CLI overrides, validated at load.
+
+Invariants:
+- Every default lives in this module (and is documented in docs/CONFIGURATION.md).
+- Unknown keys, wrong types and bad values are rejected at load with a ``UserError`` whose one
+  line names the offending key (``tier.1.url``), never later at first use.
+- With no file at all, ``Config()`` is the embedded default: staging in
+  /var/lib/ckptfs/staging and the local directory /var/lib/ckptfs/store as the warm tier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ckptfs.errors import UserError
+
+DEFAULT_STAGING = Path("/var/lib/ckptfs/staging")
+DEFAULT_STORE = Path("/var/lib/ckptfs/store")
+DEFAULT_COMMIT_MARKERS = (
+    ".metadata",
+    "latest",
+    "latest_checkpointed_iteration.txt",
+    "*.done",
+    "COMMITTED",
+)
+STORAGE_CLASSES = frozenset(
+    {"STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR", "GLACIER",
+     "DEEP_ARCHIVE"}
+)
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(value: Any) -> timedelta:
+    """'90s', '15m', '24h', '7d', '8w' or a number of seconds."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as '30s', '24h', '7d' or '8w'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return timedelta(seconds=value)
+    if isinstance(value, str):
+        match = _DURATION_RE.match(value)
+        if match:
+            return timedelta(seconds=float(match[1]) * _UNIT_SECONDS[match[2]])
+    raise ValueError(f"expected a duration such as '30s', '24h', '7d' or '8w', not {value!r}")
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KeepRules(_Strict):
+    """Which checkpoints a tier keeps (the union of the rules)."""
+
+    last: int | None = Field(default=None, ge=0)
+    hourly: Duration | None = None
+    daily: Duration | None = None
+    weekly: Duration | None = None
+    milestones: tuple[float, ...] | None = None
+
+    @field_validator("milestones")
+    @classmethod
+    def _fractions(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if value is not None:
+            for fraction in value:
+                if not 0.0 < fraction <= 1.0:
+                    raise ValueError(f"milestones are fractions of total_steps in (0, 1], not {fraction}")
+        return value
+
+
+class TierConfig(_Strict):
+    """One tier. ``hot`` is the staging directory itself and has no URL."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    url: str | None = None
+    keep: KeepRules = KeepRules()
+    cost_per_tb_month: float = Field(default=0.0, ge=0)
+    # S3 connection settings; credentials default to boto3's standard chain.
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_id: SecretStr | None = None
+    secret_access_key: SecretStr | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _valid_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            validate_tier_url(value)
+        return value
+
+
+def validate_tier_url(url: str) -> None:
+    """Raise ValueError if ``url`` is not a tier URL ckptfs understands."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"a file tier URL needs an absolute path (file:///path), not {url!r}")
+        if parts.query:
+            raise ValueError(f"a file tier URL takes no query, not {url!r}")
+    elif parts.scheme == "s3":
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", parts.netloc):
+            raise ValueError(f"not a valid S3 bucket name in {url!r}")
+        for key, values in parse_qs(parts.query, keep_blank_values=True).items():
+            if key != "storage_class":
+                raise ValueError(f"unknown S3 URL parameter {key!r} in {url!r}")
+            if values[-1] not in STORAGE_CLASSES:
+                raise ValueError(
+                    f"storage_class must be one of {', '.join(sorted(STORAGE_CLASSES))}, "
+                    f"not {values[-1]!r}"
+                )
+    elif parts.scheme == "memory":
+        if not parts.netloc:
+            raise ValueError(f"a memory tier URL needs a name (memory://name), not {url!r}")
+    else:
+        raise ValueError(f"tier URL scheme must be file://, s3:// or memory://, not {url!r}")
+
+
+def _default_tiers() -> tuple[TierConfig, ...]:
+    return (
+        TierConfig(name="hot", keep=KeepRules(last=3)),
+        TierConfig(
+            name="warm",
+            url=DEFAULT_STORE.as_uri(),
+            keep=KeepRules(last=3, hourly=timedelta(hours=24)),
+        ),
+    )
+
+
+class Config(_Strict):
+    """The whole configuration of one mount."""
+
+    staging_dir: Path = DEFAULT_STAGING
+    allow_other: bool = False
+    fsync: Literal["local", "remote"] = "local"
+    unlink: Literal["posix", "local-only"] = "posix"
+    commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
+    upload_concurrency: int = Field(default=4, ge=1, le=256)
+    staging_max_bytes: int | None = Field(default=None, ge=1)
+    staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
+    write_stall_timeout: Duration = timedelta(minutes=5)
+    metadata_ttl: Duration = timedelta(seconds=10)
+    total_steps: int | None = Field(default=None, ge=1)
+    step_regex: str = r"(\d+)(?!.*\d)"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    fuse_workers: int = Field(default=64, ge=1, le=1024)
+    tier: tuple[TierConfig, ...] = Field(default_factory=_default_tiers)
+
+    @field_validator("staging_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError(f"must be an absolute path, not {str(value)!r}")
+        return value
+
+    @field_validator("step_regex")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            pattern = re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        if pattern.groups < 1:
+            raise ValueError("needs one capturing group for the step number")
+        return value
+
+    @model_validator(mode="after")
+    def _tiers(self) -> Config:
+        names = [t.name for t in self.tier]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        if not self.tier or self.tier[0].name != "hot" or self.tier[0].url is not None:
+            raise ValueError("the first tier must be 'hot' (the staging directory) with no url")
+        for extra in self.tier[1:]:
+            if extra.url is None:
+                raise ValueError(f"tier {extra.name!r} needs a url")
+        if len(self.tier) < 2:
+            raise ValueError("at least one tier besides 'hot' (the warm tier) is needed")
+        for t in self.tier:
+            if t.keep.milestones and self.total_steps is None:
+                raise ValueError(f"tier {t.name!r}: milestones need total_steps")
+        return self
+
+    @property
+    def warm(self) -> TierConfig:
+        """The tier every closed file is uploaded to (stage 2)."""
+        return self.tier[1]
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{key}: {msg}" if key else msg)
+    return f"invalid configuration ({source}): " + "; ".join(parts)
+
+
+def store_url(value: str) -> str:
+    """``--store`` accepts a tier URL or a plain directory path."""
+    if "://" in value:
+        return value
+    return Path(value).expanduser().absolute().as_uri()
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load ``path`` (or $CKPTFS_CONFIG, or nothing) and apply CLI ``overrides``.
+
+    Overrides use config keys, plus ``store`` which replaces the warm tier's URL.
+    """
+    if path is None and os.environ.get("CKPTFS_CONFIG"):
+        path = Path(os.environ["CKPTFS_CONFIG"])
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise UserError(f"config file {path} does not exist") from None
+        except OSError as exc:
+            raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    overrides = dict(overrides or {})
+    store = overrides.pop("store", None)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    if store is not None:
+        tiers = [dict(t) for t in data.get("tier", [])] or [
+            t.model_dump(exclude_none=True) for t in _default_tiers()
+        ]
+        if len(tiers) < 2:
+            raise UserError("--store needs a warm tier: the config has only 'hot'")
+        tiers[1]["url"] = store_url(store)
+        data["tier"] = tiers
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(_format_validation_error(exc, source)) from None

@@ -1,0 +1,429 @@
+"""The filesystem core: what every operation means (docs/SEMANTICS.md), with no pyfuse3 in sight.
+
+``Filesystem`` is a plain object driven by the FUSE adapter and, directly, by the unit tests.
+It owns the file handles and decides state transitions; the namespace keeps the tree, the
+staging directory keeps the bytes, the journal keeps the truth.
+
+Invariants:
+- write() and close() do no network I/O: bytes go to the staging file, state to the journal.
+- A file open for writing is in state OPEN; it becomes STAGED (ready for upload) only when its
+  last writable handle is released. Opening for write again starts a new ``version``.
+- Metadata a caller could observe after an operation returns is committed to the journal
+  before it returns; size/mtime from write() are persisted at flush/fsync/release.
+- fsync() makes data and journal durable on local disk (a real fsync of both).
+- Raises domain exceptions (errors.py) or OSError from the staging filesystem, never an errno.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ckptfs.errors import (
+    BadHandle,
+    InvalidArgument,
+    IsADirectory,
+    NoSuchAttribute,
+    NotPermitted,
+    Unsupported,
+)
+from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.namespace import Namespace
+from ckptfs.staging import Staging
+
+log = logging.getLogger(__name__)
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+# Virtual, read-only attributes. Not listed by listxattr so that `cp -a` and rsync -X between
+# two ckptfs paths do not try (and fail) to copy them.
+XATTR_STATE = b"user.ckptfs.state"
+XATTR_TIERS = b"user.ckptfs.tiers"
+XATTR_DAEMON = b"user.ckptfs.daemon"
+_VIRTUAL_XATTRS = (XATTR_STATE, XATTR_TIERS, XATTR_DAEMON)
+_MAX_XATTR_VALUE = 64 * 1024
+
+
+@dataclass(slots=True)
+class Handle:
+    ino: int
+    fd: int | None
+    writable: bool
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who asks: from the FUSE request context (the kernel already checked permissions)."""
+
+    uid: int
+    gid: int
+    umask: int = 0o022
+
+
+ROOT_CALLER = Caller(0, 0)
+
+
+@dataclass(slots=True, frozen=True)
+class FsStats:
+    block_size: int
+    blocks: int
+    blocks_free: int
+    blocks_avail: int
+    files: int
+    files_free: int
+    name_max: int
+
+
+def state_label(row: Row) -> str:
+    """What ``user.ckptfs.state`` says of a file."""
+    if row.incomplete:
+        return "incomplete"
+    if not stat.S_ISREG(row.mode):
+        return "directory" if stat.S_ISDIR(row.mode) else "symlink"
+    return row.state.value
+
+
+class Filesystem:
+    """The core. All methods run on the trio thread; none of them blocks on the network."""
+
+    def __init__(self, journal: Journal, staging: Staging) -> None:
+        self.journal = journal
+        self.staging = staging
+        self.ns = Namespace(journal, on_drop=self._drop_data)
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._writers: dict[int, int] = {}
+        self.daemon_info: dict[str, object] = {}
+
+    # -- start ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Replay the journal: purge orphans, mark files left open as incomplete, report strays."""
+        self.journal.ensure_root(os.getuid(), os.getgid(), stat.S_IFDIR | 0o755)
+        self.ns.replay_fixups()
+        with self.journal.transaction():
+            for row in self.journal.rows_in_states(State.OPEN):
+                if not row.incomplete:
+                    row.incomplete = True
+                    actual = self.staging.file_size(row.ino)
+                    row.size = actual if actual is not None else 0
+                    self.journal.update(row)
+                    log.warning(
+                        "incomplete file (its writer never closed it): %s",
+                        (self.journal.path_of(row.ino) or b"?").decode(errors="replace"),
+                    )
+            for row in self.journal.rows_in_states(State.UPLOADING):
+                row.state = State.STAGED
+                self.journal.update(row)
+        for stray in self.staging.stray_files(self.journal.all_inos()):
+            log.warning("staging file with no journal entry (kept, not deleted): %s", stray)
+
+    def _drop_data(self, row: Row) -> None:
+        if stat.S_ISREG(row.mode):
+            self.staging.unlink(row.ino)
+
+    # -- attributes -----------------------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> Row:
+        row = self.ns.lookup(parent, name)
+        self.ns.remember(row.ino)
+        return row
+
+    def remember(self, ino: int) -> None:
+        """The kernel got one more reference to ``ino`` (a readdirplus entry)."""
+        self.ns.remember(ino)
+
+    def forget(self, ino: int, count: int) -> None:
+        self.ns.forget(ino, count)
+
+    def getattr(self, ino: int) -> Row:
+        return self.ns.get(ino)
+
+    def setattr(
+        self, ino: int, *, fh: int | None = None, size: int | None = None,
+        mode: int | None = None, uid: int | None = None, gid: int | None = None,
+        atime_ns: int | None = None, mtime_ns: int | None = None,
+    ) -> Row:
+        row = self.ns.get(ino)
+        now = time.time_ns()
+        if size is not None:
+            if stat.S_ISDIR(row.mode):
+                raise IsADirectory("cannot truncate a directory")
+            if not stat.S_ISREG(row.mode):
+                raise InvalidArgument("can only truncate a regular file")
+            if size < 0:
+                raise InvalidArgument("negative size")
+            self._modify_data(row)
+            self.staging.truncate(ino, size)
+            row.size = size
+            row.mtime_ns = now
+            if not self._writers.get(ino):
+                self._mark_staged(row)
+        if mode is not None:
+            row.mode = stat.S_IFMT(row.mode) | stat.S_IMODE(mode)
+        if uid is not None:
+            row.uid = uid
+        if gid is not None:
+            row.gid = gid
+        if atime_ns is not None:
+            row.atime_ns = atime_ns
+        if mtime_ns is not None:
+            row.mtime_ns = mtime_ns
+        row.ctime_ns = now
+        self.ns.persist(row)
+        return row
+
+    def readlink(self, ino: int) -> bytes:
+        row = self.ns.get(ino)
+        if not stat.S_ISLNK(row.mode) or row.target is None:
+            raise InvalidArgument("not a symbolic link")
+        return row.target
+
+    # -- namespace ------------------------------------------------------------------------
+
+    def mkdir(self, parent: int, name: bytes, mode: int, caller: Caller) -> Row:
+        row = self.ns.create(
+            parent, name, stat.S_IFDIR | stat.S_IMODE(mode), caller.uid, caller.gid,
+            state=State.STAGED,
+        )
+        self.ns.remember(row.ino)
+        return row
+
+    def mknod(self, parent: int, name: bytes, mode: int, caller: Caller) -> Row:
+        if not stat.S_ISREG(mode):
+            # Device nodes, FIFOs and sockets have no place in a checkpoint store.
+            raise NotPermitted("only regular files, directories and symlinks are supported")
+        row = self.ns.create(parent, name, mode, caller.uid, caller.gid, state=State.STAGED)
+        self.staging.create_empty(row.ino)
+        self.ns.remember(row.ino)
+        return row
+
+    def symlink(self, parent: int, name: bytes, target: bytes, caller: Caller) -> Row:
+        row = self.ns.create(
+            parent, name, stat.S_IFLNK | 0o777, caller.uid, caller.gid, state=State.STAGED,
+            target=target,
+        )
+        self.ns.remember(row.ino)
+        return row
+
+    def link(self, ino: int, parent: int, name: bytes) -> Row:
+        raise NotPermitted("hard links are not supported")
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        self.ns.unlink(parent, name, directory=False)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        self.ns.unlink(parent, name, directory=True)
+
+    def rename(
+        self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> None:
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
+            RENAME_NOREPLACE | RENAME_EXCHANGE
+        ):
+            raise InvalidArgument(f"rename flags {flags:#x}")
+        self.ns.rename(
+            old_parent, old_name, new_parent, new_name,
+            noreplace=bool(flags & RENAME_NOREPLACE), exchange=bool(flags & RENAME_EXCHANGE),
+        )
+
+    def readdir(self, ino: int, after: int) -> Iterator[Row]:
+        """Entries after the cursor ``after`` (0 = start); each row's ino is the next cursor."""
+        self.ns.get(ino)
+        return self.ns.children(ino, after)
+
+    # -- files ----------------------------------------------------------------------------
+
+    def open(self, ino: int, flags: int) -> int:
+        row = self.ns.get(ino)
+        if stat.S_ISDIR(row.mode):
+            raise IsADirectory("cannot open a directory as a file")
+        if not stat.S_ISREG(row.mode):
+            raise InvalidArgument("not a regular file")
+        writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        if writable:
+            self._begin_write(row)
+        fd = self.staging.acquire(ino)
+        if writable and flags & os.O_TRUNC:
+            os.ftruncate(fd, 0)
+            row.size = 0
+            row.mtime_ns = row.ctime_ns = time.time_ns()
+            self.ns.persist(row)
+        return self._new_handle(row, fd, writable)
+
+    def create(
+        self, parent: int, name: bytes, mode: int, flags: int, caller: Caller
+    ) -> tuple[int, Row]:
+        writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        row = self.ns.create(
+            parent, name, stat.S_IFREG | stat.S_IMODE(mode), caller.uid, caller.gid,
+            state=State.OPEN if writable else State.STAGED,
+        )
+        self.staging.create_empty(row.ino)
+        self.ns.remember(row.ino)
+        if writable:
+            self._writers[row.ino] = 1
+        return self._new_handle(row, self.staging.acquire(row.ino), writable), row
+
+    def _new_handle(self, row: Row, fd: int, writable: bool) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = Handle(row.ino, fd, writable)
+        self.ns.pin(row.ino)
+        return fh
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise BadHandle(f"file handle {fh}") from None
+
+    def _begin_write(self, row: Row) -> None:
+        """A writable open: a new version begins (the file is OPEN until its last writer closes)."""
+        count = self._writers.get(row.ino, 0)
+        self._writers[row.ino] = count + 1
+        if count == 0:
+            self._modify_data(row)
+            row.state = State.OPEN
+            row.incomplete = False
+            self.ns.persist(row)
+
+    def _end_write(self, row: Row) -> None:
+        left = self._writers[row.ino] - 1
+        if left:
+            self._writers[row.ino] = left
+            return
+        del self._writers[row.ino]
+        self._mark_staged(row)
+        self.ns.persist(row)
+
+    def _modify_data(self, row: Row) -> None:
+        """The bytes are about to change: a new version, no longer committed anywhere."""
+        row.version += 1
+        row.checksum = None
+        row.tiers = ""
+        row.committed_at = None
+
+    def _mark_staged(self, row: Row) -> None:
+        row.state = State.STAGED
+        row.incomplete = False
+        row.closed_at = time.time()
+
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        handle = self._handle(fh)
+        assert handle.fd is not None
+        return self.staging.pread(handle.fd, size, offset)
+
+    def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self._handle(fh)
+        if not handle.writable or handle.fd is None:
+            raise BadHandle("file not open for writing")
+        written = self.staging.pwrite(handle.fd, data, offset)
+        self.ns.note_write(self.ns.get(handle.ino), offset + written)
+        return written
+
+    def flush(self, fh: int) -> None:
+        """close() of one file descriptor: make size/mtime visible in the journal."""
+        handle = self._handle(fh)
+        if self.ns.is_dirty(handle.ino):
+            self.ns.persist(self.ns.get(handle.ino))
+
+    def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handle(fh)
+        assert handle.fd is not None
+        self.staging.sync(handle.fd, datasync)
+        if self.ns.is_dirty(handle.ino):
+            self.ns.persist(self.ns.get(handle.ino))
+        self.journal.make_durable()
+
+    def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is None:
+            raise BadHandle(f"file handle {fh}")
+        row = self.ns.get(handle.ino)
+        if handle.writable:
+            self._end_write(row)
+        elif self.ns.is_dirty(row.ino):
+            self.ns.persist(row)
+        self.staging.release(handle.ino)
+        self.ns.unpin(handle.ino)
+
+    def fsyncdir(self) -> None:
+        self.journal.make_durable()
+
+    # -- xattrs ---------------------------------------------------------------------------
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        row = self.ns.get(ino)
+        if name == XATTR_STATE:
+            return state_label(row).encode()
+        if name == XATTR_TIERS:
+            return row.tiers.encode()
+        if name == XATTR_DAEMON and ino == ROOT_INODE and self.daemon_info:
+            return json.dumps(self.daemon_info).encode()
+        if not name.startswith(b"user."):
+            # security.capability is asked for on writes; answer without touching SQLite.
+            raise NoSuchAttribute(name.decode(errors="replace"))
+        value = self.journal.xattr_get(ino, name)
+        if value is None:
+            raise NoSuchAttribute(name.decode(errors="replace"))
+        return value
+
+    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        row = self.ns.get(ino)
+        if name in _VIRTUAL_XATTRS:
+            raise NotPermitted(f"{name.decode()} is read-only")
+        if not name.startswith(b"user."):
+            raise Unsupported("only user.* extended attributes are supported")
+        if len(name) > 255:
+            raise OSError(errno.ERANGE, "xattr name too long")
+        if len(value) > _MAX_XATTR_VALUE:
+            raise OSError(errno.E2BIG, "xattr value too large")
+        exists = self.journal.xattr_get(ino, name) is not None
+        if flags & XATTR_CREATE and exists:
+            raise OSError(errno.EEXIST, "xattr exists")
+        if flags & XATTR_REPLACE and not exists:
+            raise NoSuchAttribute(name.decode(errors="replace"))
+        with self.journal.transaction():
+            self.journal.xattr_set(ino, name, value)
+            row.ctime_ns = time.time_ns()
+            self.ns.persist(row)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        self.ns.get(ino)
+        return self.journal.xattr_list(ino)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        row = self.ns.get(ino)
+        if name in _VIRTUAL_XATTRS:
+            raise NotPermitted(f"{name.decode()} is read-only")
+        with self.journal.transaction():
+            if not self.journal.xattr_remove(ino, name):
+                raise NoSuchAttribute(name.decode(errors="replace"))
+            row.ctime_ns = time.time_ns()
+            self.ns.persist(row)
+
+    # -- whole filesystem -----------------------------------------------------------------
+
+    def statfs(self) -> FsStats:
+        st = self.staging.statvfs()
+        return FsStats(
+            block_size=st.f_frsize, blocks=st.f_blocks, blocks_free=st.f_bfree,
+            blocks_avail=st.f_bavail, files=st.f_files, files_free=st.f_ffree, name_max=255,
+        )
+
+    def close(self) -> None:
+        """Persist what is dirty. Open handles are kept in the journal as OPEN (incomplete)."""
+        for fh in list(self._handles):
+            handle = self._handles[fh]
+            if self.ns.is_dirty(handle.ino):
+                self.ns.persist(self.ns.get(handle.ino))
+        self.journal.make_durable()

@@ -1,0 +1,247 @@
+"""The FUSE adapter: decode pyfuse3 arguments, call the core, map errors. No decisions here.
+
+Invariants:
+- Every handler raises only ``pyfuse3.FUSEError``. Domain errors get their errno from
+  ``errors.errno_for``; anything else is a bug: logged with its traceback, answered with EIO,
+  and the daemon keeps serving.
+- Every inode the kernel is told about (lookup, create, mkdir, symlink, readdirplus entry)
+  is counted with ``Filesystem.lookup``/``remember`` so that ``forget`` balances it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from ckptfs.errors import FsError, errno_for
+from ckptfs.fs import Caller, Filesystem
+from ckptfs.journal import ROOT_INODE, Row
+
+log = logging.getLogger(__name__)
+
+# The kernel sees every change made through this mount, so cached attributes stay right.
+ATTR_TIMEOUT = 10.0
+# st_blksize is the I/O size hint: Python's open() and stdio size their buffers from it, and
+# larger writes mean fewer trips through FUSE.
+BLOCK_SIZE_HINT = 1024 * 1024
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _translate_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:
+            code = errno_for(exc)
+            if code is None:
+                log.exception("unexpected error in %s; answering EIO", fn.__name__)
+                code = errno.EIO
+            elif not isinstance(exc, FsError) or code == errno.EIO:
+                log.warning("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def entry_attributes(row: Row) -> pyfuse3.EntryAttributes:
+    entry = pyfuse3.EntryAttributes()
+    entry.st_ino = row.ino
+    entry.generation = 0
+    entry.entry_timeout = ATTR_TIMEOUT
+    entry.attr_timeout = ATTR_TIMEOUT
+    entry.st_mode = row.mode
+    # Directories report 1 like btrfs: "unknown number of subdirectories" to find(1).
+    entry.st_nlink = 0 if row.parent is None and row.ino != ROOT_INODE else 1
+    entry.st_uid = row.uid
+    entry.st_gid = row.gid
+    entry.st_rdev = 0
+    entry.st_size = row.size
+    entry.st_blksize = BLOCK_SIZE_HINT
+    entry.st_blocks = (row.size + 511) // 512 if stat.S_ISREG(row.mode) else 0
+    entry.st_atime_ns = row.atime_ns
+    entry.st_mtime_ns = row.mtime_ns
+    entry.st_ctime_ns = row.ctime_ns
+    return entry
+
+
+def _caller(ctx: pyfuse3.RequestContext) -> Caller:
+    return Caller(ctx.uid, ctx.gid, ctx.umask)
+
+
+class FuseOps(pyfuse3.Operations):  # type: ignore[misc]
+    """pyfuse3 handlers over a ``Filesystem``."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, fs: Filesystem) -> None:
+        super().__init__()
+        self.fs = fs
+
+    @_translate_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
+        return entry_attributes(self.fs.lookup(parent_inode, name))
+
+    @_translate_errors
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for ino, count in inode_list:
+            self.fs.forget(ino, count)
+
+    @_translate_errors
+    async def getattr(self, inode: int, ctx: Any = None) -> Any:
+        return entry_attributes(self.fs.getattr(inode))
+
+    @_translate_errors
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any) -> Any:
+        row = self.fs.setattr(
+            inode,
+            fh=fh,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return entry_attributes(row)
+
+    @_translate_errors
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return self.fs.readlink(inode)
+
+    @_translate_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> Any:
+        return entry_attributes(self.fs.mknod(parent_inode, name, mode, _caller(ctx)))
+
+    @_translate_errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> Any:
+        return entry_attributes(self.fs.mkdir(parent_inode, name, mode, _caller(ctx)))
+
+    @_translate_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self.fs.unlink(parent_inode, name)
+
+    @_translate_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self.fs.rmdir(parent_inode, name)
+
+    @_translate_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> Any:
+        return entry_attributes(self.fs.symlink(parent_inode, name, target, _caller(ctx)))
+
+    @_translate_errors
+    async def rename(
+        self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+        flags: int, ctx: Any,
+    ) -> None:
+        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @_translate_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> Any:
+        return entry_attributes(self.fs.link(inode, new_parent_inode, new_name))
+
+    @_translate_errors
+    async def open(self, inode: int, flags: int, ctx: Any) -> Any:
+        return pyfuse3.FileInfo(fh=self.fs.open(inode, flags))
+
+    @_translate_errors
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
+    ) -> tuple[Any, Any]:
+        fh, row = self.fs.create(parent_inode, name, mode, flags, _caller(ctx))
+        return pyfuse3.FileInfo(fh=fh), entry_attributes(row)
+
+    @_translate_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return self.fs.read(fh, off, size)
+
+    @_translate_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return self.fs.write(fh, off, buf)
+
+    @_translate_errors
+    async def flush(self, fh: int) -> None:
+        self.fs.flush(fh)
+
+    @_translate_errors
+    async def release(self, fh: int) -> None:
+        self.fs.release(fh)
+
+    @_translate_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        self.fs.fsync(fh, datasync)
+
+    @_translate_errors
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        row = self.fs.getattr(inode)
+        if not stat.S_ISDIR(row.mode):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @_translate_errors
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        # Cursors: 1 after ".", 2 after "..", ino + 2 after an entry (inode order is stable).
+        if start_id == 0:
+            if not pyfuse3.readdir_reply(token, b".", entry_attributes(self.fs.getattr(fh)), 1):
+                return
+            start_id = 1
+        if start_id == 1:
+            parent = self.fs.getattr(fh).parent or ROOT_INODE
+            if not pyfuse3.readdir_reply(token, b"..", entry_attributes(self.fs.getattr(parent)), 2):
+                return
+            start_id = 2
+        for row in self.fs.readdir(fh, start_id - 2):
+            assert row.name is not None
+            if not pyfuse3.readdir_reply(token, row.name, entry_attributes(row), row.ino + 2):
+                return
+            # readdirplus gave the kernel a reference ("." and ".." excepted).
+            self.fs.remember(row.ino)
+
+    @_translate_errors
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    @_translate_errors
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        self.fs.fsyncdir()
+
+    @_translate_errors
+    async def statfs(self, ctx: Any) -> Any:
+        st = self.fs.statfs()
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = st.block_size
+        data.f_frsize = st.block_size
+        data.f_blocks = st.blocks
+        data.f_bfree = st.blocks_free
+        data.f_bavail = st.blocks_avail
+        data.f_files = st.files
+        data.f_ffree = st.files_free
+        data.f_favail = st.files_free
+        data.f_namemax = st.name_max
+        return data
+
+    @_translate_errors
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        return self.fs.getxattr(inode, name)
+
+    @_translate_errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        self.fs.setxattr(inode, name, value)
+
+    @_translate_errors
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        return self.fs.listxattr(inode)
+
+    @_translate_errors
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        self.fs.removexattr(inode, name)

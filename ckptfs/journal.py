@@ -1,0 +1,304 @@
+"""The journal: a SQLite (WAL) record of every inode and its state. The truth about local state.
+
+One row per inode (file, directory, symlink). The directory tree is the ``(parent, name)``
+edges; a path is derived from them (``path_of``) rather than stored, so renaming a directory
+with 10,000 descendants is one row update. The checkpoint a file belongs to is the first
+component of that path.
+
+File states (DESIGN.md §3)::
+
+    OPEN --close--> STAGED --upload starts--> UPLOADING --success--> COMMITTED --evict--> REMOTE
+      ^ open for write (a new version) from any state; the old upload is cancelled
+
+A file whose writer never closed it (the daemon died) keeps ``state = OPEN`` and gets
+``incomplete = 1`` at replay: it is never published.
+
+Invariants:
+- Only the trio thread touches the connection (sqlite3's default same-thread check enforces it).
+- Every public mutating method commits before it returns (autocommit, or one explicit
+  ``transaction()`` for multi-row changes), so a SIGKILL of the daemon never loses an
+  acknowledged metadata operation. ``synchronous = NORMAL`` makes commits survive a process
+  crash; ``make_durable()`` (called by fsync) makes them survive a power loss too.
+- Rows whose ``parent`` is NULL (other than the root) are unlinked inodes that were still open;
+  they are purged at the next start.
+"""
+
+from __future__ import annotations
+
+import enum
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ckptfs.errors import JournalCorrupt
+
+ROOT_INODE = 1
+SCHEMA_VERSION = 1
+
+
+class State(enum.StrEnum):
+    OPEN = "open"
+    STAGED = "staged"
+    UPLOADING = "uploading"
+    COMMITTED = "committed"
+    REMOTE = "remote"
+
+
+@dataclass(slots=True)
+class Row:
+    """One inode as the journal records it. Namespace caches these objects and mutates them."""
+
+    ino: int
+    parent: int | None
+    name: bytes | None
+    mode: int
+    uid: int
+    gid: int
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    target: bytes | None = None
+    state: State = State.STAGED
+    incomplete: bool = False
+    version: int = 0
+    checksum: str | None = None
+    tiers: str = ""
+    closed_at: float | None = None
+    committed_at: float | None = None
+
+
+_COLUMNS = tuple(f.name for f in fields(Row))
+_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM inodes"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS inodes (
+    ino          INTEGER PRIMARY KEY AUTOINCREMENT,
+    parent       INTEGER,
+    name         BLOB,
+    mode         INTEGER NOT NULL,
+    uid          INTEGER NOT NULL,
+    gid          INTEGER NOT NULL,
+    size         INTEGER NOT NULL DEFAULT 0,
+    atime_ns     INTEGER NOT NULL DEFAULT 0,
+    mtime_ns     INTEGER NOT NULL DEFAULT 0,
+    ctime_ns     INTEGER NOT NULL DEFAULT 0,
+    target       BLOB,
+    state        TEXT NOT NULL,
+    incomplete   INTEGER NOT NULL DEFAULT 0,
+    version      INTEGER NOT NULL DEFAULT 0,
+    checksum     TEXT,
+    tiers        TEXT NOT NULL DEFAULT '',
+    closed_at    REAL,
+    committed_at REAL,
+    UNIQUE (parent, name)
+);
+CREATE TABLE IF NOT EXISTS xattrs (
+    ino   INTEGER NOT NULL REFERENCES inodes(ino) ON DELETE CASCADE,
+    name  BLOB NOT NULL,
+    value BLOB NOT NULL,
+    PRIMARY KEY (ino, name)
+);
+"""
+
+
+def _row(values: tuple[object, ...]) -> Row:
+    row = Row(*values)  # type: ignore[arg-type]
+    row.state = State(row.state)
+    row.incomplete = bool(row.incomplete)
+    return row
+
+
+class Journal:
+    """Typed access to the journal database. Not thread-safe: trio thread only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+            self._db.execute("PRAGMA foreign_keys = ON")
+            self._db.executescript(_SCHEMA)
+            self._check_version()
+        except sqlite3.DatabaseError as exc:
+            raise JournalCorrupt(f"cannot open journal {path}: {exc}") from exc
+        self._in_tx = False
+
+    def _check_version(self) -> None:
+        found = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if found is None:
+            self._db.execute(
+                "INSERT INTO meta VALUES ('schema', ?), ('created', ?)",
+                (str(SCHEMA_VERSION), str(time.time())),
+            )
+        elif int(found[0]) != SCHEMA_VERSION:
+            raise JournalCorrupt(
+                f"journal {self.path} has schema {found[0]}, this ckptfs reads {SCHEMA_VERSION}"
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Group several changes into one atomic commit (nesting joins the outer one)."""
+        if self._in_tx:
+            yield
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        self._in_tx = True
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        else:
+            self._db.execute("COMMIT")
+        finally:
+            self._in_tx = False
+
+    def make_durable(self) -> None:
+        """Make every commit so far survive a power loss (fsync of the WAL and database)."""
+        self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    # -- inodes ---------------------------------------------------------------------------
+
+    def ensure_root(self, uid: int, gid: int, mode: int) -> Row:
+        root = self.get(ROOT_INODE)
+        if root is not None:
+            return root
+        now = time.time_ns()
+        self._db.execute(
+            "INSERT INTO inodes (ino, parent, name, mode, uid, gid, atime_ns, mtime_ns, ctime_ns,"
+            " state) VALUES (?, NULL, NULL, ?, ?, ?, ?, ?, ?, ?)",
+            (ROOT_INODE, mode, uid, gid, now, now, now, State.STAGED.value),
+        )
+        root = self.get(ROOT_INODE)
+        assert root is not None
+        return root
+
+    def get(self, ino: int) -> Row | None:
+        found = self._db.execute(_SELECT + " WHERE ino = ?", (ino,)).fetchone()
+        return _row(found) if found else None
+
+    def lookup(self, parent: int, name: bytes) -> Row | None:
+        found = self._db.execute(
+            _SELECT + " WHERE parent = ? AND name = ?", (parent, name)
+        ).fetchone()
+        return _row(found) if found else None
+
+    def children(self, parent: int, after_ino: int = 0, limit: int = 1000) -> list[Row]:
+        """Entries of ``parent`` in inode order, starting after ``after_ino`` (a stable cursor)."""
+        return [
+            _row(r)
+            for r in self._db.execute(
+                _SELECT + " WHERE parent = ? AND ino > ? ORDER BY ino LIMIT ?",
+                (parent, after_ino, limit),
+            )
+        ]
+
+    def has_children(self, parent: int) -> bool:
+        return (
+            self._db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone()
+            is not None
+        )
+
+    def insert(self, row: Row) -> Row:
+        """Insert ``row`` (its ``ino`` is ignored) and return it with the new inode number."""
+        cols = _COLUMNS[1:]
+        cur = self._db.execute(
+            f"INSERT INTO inodes ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+            tuple(_value(getattr(row, c)) for c in cols),
+        )
+        assert cur.lastrowid is not None
+        row.ino = cur.lastrowid
+        return row
+
+    def update(self, row: Row) -> None:
+        cols = _COLUMNS[1:]
+        self._db.execute(
+            f"UPDATE inodes SET {', '.join(c + ' = ?' for c in cols)} WHERE ino = ?",
+            (*(_value(getattr(row, c)) for c in cols), row.ino),
+        )
+
+    def delete(self, ino: int) -> None:
+        self._db.execute("DELETE FROM inodes WHERE ino = ?", (ino,))
+
+    def path_of(self, ino: int) -> bytes | None:
+        """The path of ``ino`` relative to the mount root (b'' for the root); None if unlinked."""
+        parts: list[bytes] = []
+        rows = self._db.execute(
+            "WITH RECURSIVE up(ino, parent, name, depth) AS ("
+            " SELECT ino, parent, name, 0 FROM inodes WHERE ino = ?"
+            " UNION ALL SELECT i.ino, i.parent, i.name, up.depth + 1"
+            " FROM inodes i JOIN up ON i.ino = up.parent)"
+            " SELECT ino, parent, name FROM up ORDER BY depth",
+            (ino,),
+        ).fetchall()
+        if not rows:
+            return None
+        for r_ino, r_parent, r_name in rows:
+            if r_ino == ROOT_INODE:
+                return b"/".join(reversed(parts))
+            if r_parent is None:
+                return None
+            parts.append(r_name)
+        return None
+
+    def rows_in_states(self, *states: State) -> list[Row]:
+        marks = ", ".join("?" * len(states))
+        return [
+            _row(r)
+            for r in self._db.execute(
+                _SELECT + f" WHERE state IN ({marks}) AND (mode & 61440) = 32768 ORDER BY"
+                " closed_at, ino",
+                tuple(s.value for s in states),
+            )
+        ]
+
+    def orphans(self) -> list[Row]:
+        return [
+            _row(r)
+            for r in self._db.execute(_SELECT + " WHERE parent IS NULL AND ino != ?", (ROOT_INODE,))
+        ]
+
+    def all_inos(self) -> set[int]:
+        return {r[0] for r in self._db.execute("SELECT ino FROM inodes")}
+
+    # -- xattrs ---------------------------------------------------------------------------
+
+    def xattr_get(self, ino: int, name: bytes) -> bytes | None:
+        found = self._db.execute(
+            "SELECT value FROM xattrs WHERE ino = ? AND name = ?", (ino, name)
+        ).fetchone()
+        return bytes(found[0]) if found else None
+
+    def xattr_set(self, ino: int, name: bytes, value: bytes) -> None:
+        self._db.execute(
+            "INSERT INTO xattrs VALUES (?, ?, ?) ON CONFLICT (ino, name) DO UPDATE SET"
+            " value = excluded.value",
+            (ino, name, value),
+        )
+
+    def xattr_list(self, ino: int) -> list[bytes]:
+        return [
+            bytes(r[0])
+            for r in self._db.execute("SELECT name FROM xattrs WHERE ino = ? ORDER BY name", (ino,))
+        ]
+
+    def xattr_remove(self, ino: int, name: bytes) -> bool:
+        cur = self._db.execute("DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
+        return cur.rowcount > 0
+
+
+def _value(value: object) -> object:
+    if isinstance(value, State):
+        return value.value
+    if isinstance(value, bool):
+        return int(value)
+    return value

@@ -1,0 +1,283 @@
+"""Inodes and the directory tree, cached in memory over the journal.
+
+The kernel refers to files by inode number and keeps a *lookup count* per inode (raised by
+lookup/create/mkdir/symlink/readdirplus, lowered by forget). An inode it still knows must keep
+answering getattr even after unlink, so an unlinked inode's row survives (detached, parent NULL)
+until both its lookup count and its open count are zero.
+
+Invariants:
+- The ``Row`` objects handed out are the cached ones: mutate, then ``persist`` (write-through).
+  The one exception is ``note_write``, which only updates size and mtime in memory; the owner
+  of the open handle persists them at flush/fsync/release. So a write() never touches SQLite.
+- A cached row stays cached while the kernel knows it (lookup > 0), it is open, or it is dirty.
+- Names are bytes of 1-255 bytes with no '/' or NUL (the kernel checks this too).
+"""
+
+from __future__ import annotations
+
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from ckptfs.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+)
+from ckptfs.journal import ROOT_INODE, Journal, Row, State
+
+MAX_NAME = 255
+
+
+def check_name(name: bytes) -> None:
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise InvalidArgument(f"invalid name {name!r}")
+    if len(name) > MAX_NAME:
+        raise NameTooLong(f"name of {len(name)} bytes")
+
+
+class Namespace:
+    """The tree of inodes. Calls ``on_drop(row)`` when an unlinked inode may be freed."""
+
+    def __init__(self, journal: Journal, on_drop: Callable[[Row], None]) -> None:
+        self.journal = journal
+        self._on_drop = on_drop
+        self._rows: dict[int, Row] = {}
+        self._lookups: dict[int, int] = {}
+        self._opens: dict[int, int] = {}
+        self._dirty: set[int] = set()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def get(self, ino: int) -> Row:
+        row = self._rows.get(ino)
+        if row is None:
+            row = self.journal.get(ino)
+            if row is None:
+                raise NotFound(f"inode {ino}")
+            self._rows[ino] = row
+        return row
+
+    def lookup(self, parent: int, name: bytes) -> Row:
+        parent_row = self.get(parent)
+        if not stat.S_ISDIR(parent_row.mode):
+            raise NotADirectory(f"inode {parent}")
+        if name == b".":
+            return parent_row
+        if name == b"..":
+            return self.get(parent_row.parent or ROOT_INODE)
+        if len(name) > MAX_NAME:
+            raise NameTooLong(f"name of {len(name)} bytes")
+        found = self.journal.lookup(parent, name)
+        if found is None:
+            raise NotFound(name.decode(errors="replace"))
+        return self._rows.setdefault(found.ino, found)
+
+    def children(self, parent: int, after_ino: int) -> Iterator[Row]:
+        """Entries of ``parent`` after the cursor ``after_ino``, in a stable order."""
+        while True:
+            batch = self.journal.children(parent, after_ino)
+            for found in batch:
+                yield self._rows.get(found.ino, found)
+            if len(batch) < 1000:
+                return
+            after_ino = batch[-1].ino
+
+    def path_of(self, ino: int) -> bytes | None:
+        return self.journal.path_of(ino)
+
+    # -- kernel and handle references -----------------------------------------------------
+
+    def remember(self, ino: int) -> None:
+        """The kernel got a reference to ``ino`` (one lookup count)."""
+        self._lookups[ino] = self._lookups.get(ino, 0) + 1
+
+    def forget(self, ino: int, count: int) -> None:
+        left = self._lookups.get(ino, 0) - count
+        if left > 0:
+            self._lookups[ino] = left
+            return
+        self._lookups.pop(ino, None)
+        self._maybe_release(ino)
+
+    def pin(self, ino: int) -> None:
+        """An open handle refers to ``ino``."""
+        self._opens[ino] = self._opens.get(ino, 0) + 1
+
+    def unpin(self, ino: int) -> None:
+        left = self._opens[ino] - 1
+        if left:
+            self._opens[ino] = left
+        else:
+            del self._opens[ino]
+            self._maybe_release(ino)
+
+    def open_count(self, ino: int) -> int:
+        return self._opens.get(ino, 0)
+
+    def _maybe_release(self, ino: int) -> None:
+        if ino in self._lookups or ino in self._opens or ino == ROOT_INODE:
+            return
+        row = self._rows.get(ino)
+        if row is not None and row.parent is None:
+            self._on_drop(row)
+            self.journal.delete(ino)
+            self._dirty.discard(ino)
+        if ino not in self._dirty:
+            self._rows.pop(ino, None)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def persist(self, row: Row) -> None:
+        self.journal.update(row)
+        self._dirty.discard(row.ino)
+
+    def note_write(self, row: Row, end: int) -> None:
+        """A write() ended at byte ``end``: update size and mtime in memory only."""
+        if end > row.size:
+            row.size = end
+        row.mtime_ns = row.ctime_ns = time.time_ns()
+        self._dirty.add(row.ino)
+
+    def is_dirty(self, ino: int) -> bool:
+        return ino in self._dirty
+
+    def create(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, state: State,
+        target: bytes | None = None,
+    ) -> Row:
+        check_name(name)
+        parent_row = self.get(parent)
+        if not stat.S_ISDIR(parent_row.mode):
+            raise NotADirectory(f"inode {parent}")
+        if self.journal.lookup(parent, name) is not None:
+            raise AlreadyExists(name.decode(errors="replace"))
+        if parent_row.mode & stat.S_ISGID:
+            # BSD group semantics of a setgid directory, as every Linux filesystem does.
+            gid = parent_row.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        now = time.time_ns()
+        row = Row(
+            ino=0, parent=parent, name=name, mode=mode, uid=uid, gid=gid,
+            size=len(target) if target is not None else 0,
+            atime_ns=now, mtime_ns=now, ctime_ns=now, target=target, state=state,
+            closed_at=None if state is State.OPEN else time.time(),
+        )
+        with self.journal.transaction():
+            self.journal.insert(row)
+            self._touch_dir(parent_row, now)
+        self._rows[row.ino] = row
+        return row
+
+    def _touch_dir(self, row: Row, now: int) -> None:
+        row.mtime_ns = row.ctime_ns = now
+        self.persist(row)
+
+    def unlink(self, parent: int, name: bytes, *, directory: bool) -> Row:
+        """Remove the entry; the inode is freed once nothing refers to it any more."""
+        row = self.lookup(parent, name)
+        if directory:
+            if not stat.S_ISDIR(row.mode):
+                raise NotADirectory(name.decode(errors="replace"))
+            if self.journal.has_children(row.ino):
+                raise NotEmpty(name.decode(errors="replace"))
+        elif stat.S_ISDIR(row.mode):
+            raise IsADirectory(name.decode(errors="replace"))
+        self._detach(row)
+        return row
+
+    def _detach(self, row: Row) -> None:
+        now = time.time_ns()
+        with self.journal.transaction():
+            assert row.parent is not None
+            self._touch_dir(self.get(row.parent), now)
+            row.parent = None
+            row.name = None
+            row.ctime_ns = now
+            self.persist(row)
+        self._maybe_release(row.ino)
+
+    def rename(
+        self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, *,
+        noreplace: bool, exchange: bool,
+    ) -> tuple[Row, Row | None]:
+        """Move an entry; returns (moved row, replaced row or None). Atomic in the journal."""
+        check_name(new_name)
+        src = self.lookup(old_parent, old_name)
+        dst_dir = self.get(new_parent)
+        if not stat.S_ISDIR(dst_dir.mode):
+            raise NotADirectory(f"inode {new_parent}")
+        dst = self.journal.lookup(new_parent, new_name)
+        dst = self._rows.get(dst.ino, dst) if dst is not None else None
+        if exchange:
+            if dst is None:
+                raise NotFound(new_name.decode(errors="replace"))
+            if stat.S_ISDIR(src.mode):
+                self._check_not_ancestor(src.ino, new_parent)
+            if stat.S_ISDIR(dst.mode):
+                self._check_not_ancestor(dst.ino, old_parent)
+            return self._exchange(src, dst)
+        if dst is not None:
+            if noreplace:
+                raise AlreadyExists(new_name.decode(errors="replace"))
+            if dst.ino == src.ino:
+                return src, None
+            if stat.S_ISDIR(src.mode):
+                if not stat.S_ISDIR(dst.mode):
+                    raise NotADirectory(new_name.decode(errors="replace"))
+                if self.journal.has_children(dst.ino):
+                    raise NotEmpty(new_name.decode(errors="replace"))
+            elif stat.S_ISDIR(dst.mode):
+                raise IsADirectory(new_name.decode(errors="replace"))
+        if stat.S_ISDIR(src.mode):
+            self._check_not_ancestor(src.ino, new_parent)
+        now = time.time_ns()
+        with self.journal.transaction():
+            if dst is not None:
+                self._detach(dst)
+            self._touch_dir(self.get(old_parent), now)
+            src.parent, src.name, src.ctime_ns = new_parent, new_name, now
+            self.persist(src)
+            self._touch_dir(dst_dir, now)
+        return src, dst
+
+    def _exchange(self, a: Row, b: Row) -> tuple[Row, Row]:
+        now = time.time_ns()
+        a_place, b_place = (a.parent, a.name), (b.parent, b.name)
+        with self.journal.transaction():
+            a.parent, a.name = None, None  # free the (parent, name) slot for b
+            self.persist(a)
+            b.parent, b.name, b.ctime_ns = a_place[0], a_place[1], now
+            self.persist(b)
+            a.parent, a.name, a.ctime_ns = b_place[0], b_place[1], now
+            self.persist(a)
+            for parent in {a.parent, b.parent}:
+                assert parent is not None
+                self._touch_dir(self.get(parent), now)
+        return a, b
+
+    def _check_not_ancestor(self, ino: int, descendant: int) -> None:
+        """EINVAL if ``ino`` is ``descendant`` or one of its ancestors (a loop)."""
+        cursor: int | None = descendant
+        while cursor is not None:
+            if cursor == ino:
+                raise InvalidArgument("cannot move a directory into itself")
+            if cursor == ROOT_INODE:
+                return
+            cursor = self.get(cursor).parent
+
+    def replay_fixups(self) -> None:
+        """Purge inodes that were unlinked while open before a crash (kernel refs are gone)."""
+        for row in self.journal.orphans():
+            self._on_drop(row)
+            self.journal.delete(row.ino)
+
+    def snapshot(self, row: Row) -> Row:
+        """A copy that later mutations of the cached row do not change."""
+        return replace(row)

@@ -1,0 +1,185 @@
+"""Files on local NVMe: one sparse data file per regular-file inode, under ``<staging>/data``.
+
+Layout of a staging directory (mode 0700)::
+
+    <staging>/journal.db   the journal (journal.py)
+    <staging>/data/<ino>   the bytes of inode <ino>, sparse where nothing was written
+    <staging>/lock         flock()ed by the one daemon that owns this directory
+    <staging>/daemon.log   log of a daemon started in the background
+
+Invariants:
+- A data file is named by its inode number only; names and tree live in the journal, so a
+  rename never touches a data file.
+- One file descriptor per inode, shared by every handle (refcounted in ``acquire``/``release``),
+  so a write through one handle is seen by a read through another at once.
+- Data files are never deleted here on our own initiative: the caller decides (after unlink,
+  or, later, after a tier holds a committed copy).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptfs.errors import UserError
+
+# Below this much free space a mount is refused: the journal alone needs room to start.
+MIN_FREE_BYTES_TO_MOUNT = 16 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class _OpenData:
+    fd: int
+    refs: int
+
+
+class Staging:
+    """The data files of one staging directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data_dir = root / "data"
+        self._open: dict[int, _OpenData] = {}
+        self._lock_fd: int | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the layout, check it is usable and lock it; UserError if not."""
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.data_dir.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(self.root, 0o700)
+        except OSError as exc:
+            raise UserError(
+                f"staging directory {self.root} cannot be created: {exc.strerror}"
+            ) from None
+        if not self.root.is_dir():
+            raise UserError(f"staging directory {self.root} is not a directory")
+        probe = self.data_dir / ".write-probe"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"x")
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UserError(f"staging directory {self.root} is on a full disk") from None
+            raise UserError(f"staging directory {self.root} is not writable: {exc.strerror}") from None
+        free = self.free_bytes()
+        if free < MIN_FREE_BYTES_TO_MOUNT:
+            raise UserError(
+                f"staging directory {self.root} is on a full disk ({free // 1024} KiB free, "
+                f"at least {MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed)"
+            )
+        self._lock()
+
+    def _lock(self) -> None:
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(
+                f"staging directory {self.root} is in use by another ckptfs daemon"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        for data in self._open.values():
+            os.close(data.fd)
+        self._open.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- data files -----------------------------------------------------------------------
+
+    def path(self, ino: int) -> Path:
+        return self.data_dir / str(ino)
+
+    def exists(self, ino: int) -> bool:
+        return self.path(ino).exists()
+
+    def acquire(self, ino: int) -> int:
+        """A file descriptor for ``ino``'s data, created empty if missing. Pair with release."""
+        data = self._open.get(ino)
+        if data is None:
+            fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            data = self._open[ino] = _OpenData(fd, 0)
+        data.refs += 1
+        return data.fd
+
+    def release(self, ino: int) -> None:
+        data = self._open[ino]
+        data.refs -= 1
+        if data.refs == 0:
+            del self._open[ino]
+            os.close(data.fd)
+
+    def create_empty(self, ino: int) -> None:
+        """Make ``ino``'s data file exist and be empty (a new file, or a leftover from a crash)."""
+        fd = os.open(self.path(ino), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+
+    @staticmethod
+    def pwrite(fd: int, buf: bytes, offset: int) -> int:
+        view = memoryview(buf)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        return done
+
+    @staticmethod
+    def pread(fd: int, size: int, offset: int) -> bytes:
+        return os.pread(fd, size, offset)
+
+    def truncate(self, ino: int, size: int) -> None:
+        fd = self.acquire(ino)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            self.release(ino)
+
+    @staticmethod
+    def sync(fd: int, datasync: bool) -> None:
+        if datasync:
+            os.fdatasync(fd)
+        else:
+            os.fsync(fd)
+
+    def unlink(self, ino: int) -> None:
+        try:
+            os.unlink(self.path(ino))
+        except FileNotFoundError:
+            pass
+
+    def file_size(self, ino: int) -> int | None:
+        try:
+            return os.stat(self.path(ino)).st_size
+        except FileNotFoundError:
+            return None
+
+    def stray_files(self, known_inos: set[int]) -> list[Path]:
+        """Data files with no journal row: reported at start, never deleted silently."""
+        strays = []
+        for entry in os.scandir(self.data_dir):
+            if not entry.name.isdigit() or int(entry.name) not in known_inos:
+                strays.append(Path(entry.path))
+        return strays
+
+    # -- space ----------------------------------------------------------------------------
+
+    def statvfs(self) -> os.statvfs_result:
+        return os.statvfs(self.root)
+
+    def free_bytes(self) -> int:
+        st = self.statvfs()
+        return st.f_bavail * st.f_frsize

@@ -1,0 +1,101 @@
+"""Real-mount helpers for tests: start ``ckptfs mount`` as a subprocess, always unmount.
+
+Used through the ``mounter`` fixture in conftest.py. Every mount made here is lazily
+unmounted in teardown (``fusermount3 -u -z``), even when the test failed or killed the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CKPTFS = [sys.executable, "-m", "ckptfs"]
+
+
+def ckptfs(*args: str | os.PathLike[str], check: bool = True, timeout: float = 300,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI; returns the completed process (stdout/stderr as text)."""
+    done = subprocess.run(
+        [*CKPTFS, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        env=env, stdin=subprocess.DEVNULL,
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(
+            f"ckptfs {' '.join(map(str, args))} failed ({done.returncode}):\n"
+            f"{done.stdout}\n{done.stderr}"
+        )
+    return done
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+@dataclass
+class Mount:
+    path: Path
+    staging: Path
+    store: Path
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        import json
+
+        return int(json.loads(os.getxattr(self.path, "user.ckptfs.daemon"))["pid"])
+
+    def state(self, rel: str) -> str:
+        return os.getxattr(self.path / rel, "user.ckptfs.state").decode()
+
+    def umount(self) -> None:
+        ckptfs("umount", self.path)
+
+    def kill(self) -> None:
+        """SIGKILL the daemon and clear the dead mount (as a crash would leave it)."""
+        pid = self.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            except FileNotFoundError:
+                break
+            time.sleep(0.02)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+
+    def remount(self) -> None:
+        ckptfs("mount", self.path, "--staging", self.staging, "--store", self.store, *self.extra)
+
+
+class Mounter:
+    """Creates mounts under a temp dir and tears every one of them down."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.mounts: list[Mount] = []
+
+    def __call__(self, name: str = "m", *, staging: Path | None = None,
+                 store: Path | None = None, extra: list[str] | None = None) -> Mount:
+        path = self.base / name / "mnt"
+        path.mkdir(parents=True, exist_ok=True)
+        m = Mount(path, staging or self.base / name / "staging", store or self.base / "store",
+                  list(extra or []))
+        m.remount()
+        self.mounts.append(m)
+        return m
+
+    def teardown(self) -> None:
+        for m in self.mounts:
+            if is_mounted(m.path):
+                subprocess.run(CKPTFS + ["umount", str(m.path), "--timeout", "30"],
+                               capture_output=True, timeout=120)
+            if is_mounted(m.path):
+                subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)

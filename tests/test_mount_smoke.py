@@ -1,0 +1,25 @@
+"""The smallest real-mount round trip: write, remount, read back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.mounting import Mounter
+
+pytestmark = pytest.mark.mount
+
+
+def test_write_remount_read(mounter: Mounter) -> None:
+    m = mounter()
+    (m.path / "step_1").mkdir()
+    (m.path / "step_1" / "model.pt").write_bytes(b"x" * 100_000)
+    os.symlink("step_1", m.path / "latest")
+    assert m.state("step_1/model.pt") == "staged"
+    m.umount()
+    assert not any(m.path.iterdir())
+    m.remount()
+    assert (m.path / "step_1" / "model.pt").read_bytes() == b"x" * 100_000
+    assert os.readlink(m.path / "latest") == "step_1"
+    assert sorted(os.listdir(m.path)) == ["latest", "step_1"]
