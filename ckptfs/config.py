@@ -209,22 +209,74 @@ class Config(_Strict):
         return self.tier[1]
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
+def _format_validation_error(
+    exc: ValidationError, source: str, flags: dict[str, str] | None = None
+) -> str:
+    """One line naming every offending key (or the CLI flag that set it)."""
+    flags = flags or {}
     parts = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"])
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc)
+        for prefix, flag in flags.items():
+            if key == prefix or key.startswith(prefix + "."):
+                key = flag
+                break
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif err["type"] not in ("value_error", "assertion_error") and _is_scalar(err["input"]):
+            msg = f"{msg}, got {err['input']!r}"
+        msg = " ".join(msg.split())  # one line, whatever pydantic says
         parts.append(f"{key}: {msg}" if key else msg)
     return f"invalid configuration ({source}): " + "; ".join(parts)
 
 
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) and len(repr(value)) <= 80
+
+
 def store_url(value: str) -> str:
-    """``--store`` accepts a tier URL or a plain directory path."""
+    """``--store`` accepts a tier URL or a plain directory path (made absolute here)."""
+    if not value.strip():
+        raise UserError("--store must not be empty")
     if "://" in value:
         return value
-    return Path(value).expanduser().absolute().as_uri()
+    return Path(os.path.abspath(Path(value).expanduser())).as_uri()
+
+
+def config_path(path: Path | None = None) -> Path | None:
+    """The config file to read: ``path``, else $CKPTFS_CONFIG, else none; made absolute."""
+    if path is None:
+        env = os.environ.get("CKPTFS_CONFIG")
+        if not env:
+            return None
+        path = Path(env)
+    return Path(os.path.abspath(path.expanduser()))
+
+
+# Keys a CLI flag sets, named by the flag in error messages.
+_FLAG_NAMES = {
+    "staging_dir": "--staging",
+    "allow_other": "--allow-other",
+    "log_level": "--log-level",
+}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {path} is a directory") from None
+    except OSError as exc:
+        raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not valid TOML: it is not UTF-8 text") from None
 
 
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -232,33 +284,36 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
 
     Overrides use config keys, plus ``store`` which replaces the warm tier's URL.
     """
-    if path is None and os.environ.get("CKPTFS_CONFIG"):
-        path = Path(os.environ["CKPTFS_CONFIG"])
+    path = config_path(path)
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         source = str(path)
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise UserError(f"config file {path} does not exist") from None
-        except OSError as exc:
-            raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+        data = _read_toml(path)
     overrides = dict(overrides or {})
     store = overrides.pop("store", None)
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    flags = {}
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+            flags[key] = _FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
     if store is not None:
-        tiers = [dict(t) for t in data.get("tier", [])] or [
-            t.model_dump(exclude_none=True) for t in _default_tiers()
-        ]
-        if len(tiers) < 2:
-            raise UserError("--store needs a warm tier: the config has only 'hot'")
-        tiers[1]["url"] = store_url(store)
-        data["tier"] = tiers
+        url = store_url(store)
+        if "tier" not in data:
+            data["tier"] = [t.model_dump(exclude_none=True) for t in _default_tiers()]
+        tiers = data["tier"]
+        # A malformed tier list is reported by validation below, with its key.
+        if isinstance(tiers, list) and all(isinstance(t, dict) for t in tiers):
+            if len(tiers) < 2:
+                raise UserError(
+                    f"--store needs a warm tier: the config ({source}) has only "
+                    f"{len(tiers)} tier(s)"
+                )
+            tiers = [dict(t) for t in tiers]
+            tiers[1]["url"] = url
+            data["tier"] = tiers
+            flags["tier.1.url"] = "--store"
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise UserError(_format_validation_error(exc, source)) from None
+        raise UserError(_format_validation_error(exc, source, flags)) from None

@@ -121,11 +121,19 @@ class Namespace:
         return self._opens.get(ino, 0)
 
     def _maybe_release(self, ino: int) -> None:
-        if ino in self._lookups or ino in self._opens or ino == ROOT_INODE:
+        """Free what nothing refers to: data once no handle is open, the row once unknown."""
+        if ino == ROOT_INODE or ino in self._opens:
             return
         row = self._rows.get(ino)
-        if row is not None and row.parent is None:
+        detached = row is not None and row.parent is None
+        if detached:
+            assert row is not None
+            # No handle can read it any more: free the space now, even if the kernel still
+            # holds a reference (it may stat it until it sends forget).
             self._on_drop(row)
+        if ino in self._lookups:
+            return
+        if detached:
             self.journal.delete(ino)
             self._dirty.discard(ino)
         if ino not in self._dirty:

@@ -48,39 +48,66 @@ class Staging:
     # -- lifecycle ------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Create the layout, check it is usable and lock it; UserError if not."""
+        """Create the layout, lock it and check it is usable; UserError if not.
+
+        The lock is taken before anything is written inside, so a second daemon pointed at a
+        staging directory in use learns so without touching the owner's files.
+        """
+        if os.path.lexists(self.root) and not self.root.is_dir():
+            raise UserError(f"staging directory {self.root} is not a directory")
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.data_dir.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(self.root, 0o700)
         except OSError as exc:
-            raise UserError(
-                f"staging directory {self.root} cannot be created: {exc.strerror}"
-            ) from None
-        if not self.root.is_dir():
-            raise UserError(f"staging directory {self.root} is not a directory")
-        probe = self.data_dir / ".write-probe"
+            raise self._unusable(exc, "cannot be created") from None
+        self._lock()
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            self._check_usable()
+        except BaseException:
+            self.close()
+            raise
+
+    def _unusable(self, exc: OSError, what: str) -> UserError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return UserError(f"staging directory {self.root} is on a full disk")
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            what = "is not writable"
+        return UserError(f"staging directory {self.root} {what}: {exc.strerror}")
+
+    def _check_usable(self) -> None:
+        try:
+            self.data_dir.mkdir(mode=0o700, exist_ok=True)
+            if os.stat(self.root).st_mode & 0o777 != 0o700:
+                os.chmod(self.root, 0o700)
+        except OSError as exc:
+            raise self._unusable(exc, "cannot be set up") from None
+        if not self.data_dir.is_dir():
+            raise UserError(f"staging directory {self.root}: {self.data_dir} is not a directory")
+        probe = self.root / ".write-probe"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, b"x")
+                os.write(fd, b"x" * 4096)
+                os.fsync(fd)
             finally:
                 os.close(fd)
-            os.unlink(probe)
+                try:
+                    os.unlink(probe)
+                except FileNotFoundError:
+                    pass
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise UserError(f"staging directory {self.root} is on a full disk") from None
-            raise UserError(f"staging directory {self.root} is not writable: {exc.strerror}") from None
+            raise self._unusable(exc, "is not writable") from None
         free = self.free_bytes()
         if free < MIN_FREE_BYTES_TO_MOUNT:
             raise UserError(
                 f"staging directory {self.root} is on a full disk ({free // 1024} KiB free, "
                 f"at least {MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed)"
             )
-        self._lock()
 
     def _lock(self) -> None:
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise self._unusable(exc, "cannot be locked") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -88,8 +115,12 @@ class Staging:
             raise UserError(
                 f"staging directory {self.root} is in use by another ckptfs daemon"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            os.close(fd)
+            raise self._unusable(exc, "cannot be locked") from None
         self._lock_fd = fd
 
     def close(self) -> None:

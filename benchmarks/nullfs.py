@@ -1,0 +1,300 @@
+"""nullfs: a do-nothing pyfuse3 + trio filesystem, the ceiling of the FUSE write path.
+
+One directory (the root). Files created in it accept writes and throw the bytes away; only
+their size is kept, so ``getattr`` reports what was written and ``torch.save`` (which stats
+and seeks around) works. Nothing is ever read back.
+
+It implements the operations a writer such as ``torch.save`` needs, with the same mount
+options as ckptfs (``default_permissions``, ``fsname``/``subtype``), the same worker settings
+(``pyfuse3.main(min_tasks=1, max_tasks=64)``) and no writeback cache, so the difference to
+ckptfs is exactly the work ckptfs does per request:
+
+    lookup, getattr, setattr, create, open, write, flush, release, getxattr (ENODATA, the kernel
+    asks ``security.capability`` around every write, as it does on ckptfs), statfs, plus unlink,
+    forget, opendir/readdir/releasedir so the benchmark can clean up and ``ls`` works.
+
+Statistics (op counts and a histogram of the sizes of the write requests the kernel sends)
+are readable as the xattr ``user.nullfs.stats`` of the mount root (JSON). They are cumulative;
+readers diff two snapshots.
+
+Usage: ``python benchmarks/nullfs.py MOUNTPOINT`` serves in the foreground until unmounted
+(``fusermount3 -u MOUNTPOINT``) or sent SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import signal
+import stat
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import pyfuse3
+import trio
+
+log = logging.getLogger("nullfs")
+
+ROOT = pyfuse3.ROOT_INODE
+STATS_XATTR = b"user.nullfs.stats"
+ATTR_TIMEOUT = 10.0  # as ckptfs
+BLOCK_SIZE_HINT = 1024 * 1024  # as ckptfs
+MAX_DISTINCT_SIZES = 256  # keep the stats xattr well below XATTR_SIZE_MAX (64 KiB)
+
+
+class _Inode:
+    __slots__ = ("ino", "name", "mode", "size", "uid", "gid", "mtime_ns", "ctime_ns", "lookups")
+
+    def __init__(self, ino: int, name: bytes, mode: int, uid: int, gid: int) -> None:
+        now = time.time_ns()
+        self.ino = ino
+        self.name = name
+        self.mode = mode
+        self.size = 0
+        self.uid = uid
+        self.gid = gid
+        self.mtime_ns = now
+        self.ctime_ns = now
+        self.lookups = 0
+
+
+class NullFs(pyfuse3.Operations):  # type: ignore[misc]
+    supports_dot_lookup = True
+    enable_writeback_cache = False  # as ckptfs
+
+    def __init__(self) -> None:
+        super().__init__()
+        root = _Inode(ROOT, b"", stat.S_IFDIR | 0o777, os.getuid(), os.getgid())
+        self.inodes: dict[int, _Inode] = {ROOT: root}
+        self.names: dict[bytes, int] = {}
+        self.next_ino = ROOT + 1
+        self.handles: dict[int, int] = {}
+        self.next_fh = 1
+        self.ops: Counter[str] = Counter()
+        self.write_sizes: Counter[int] = Counter()
+        self.write_bytes = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _attrs(self, node: _Inode) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = node.ino
+        e.generation = 0
+        e.entry_timeout = ATTR_TIMEOUT
+        e.attr_timeout = ATTR_TIMEOUT
+        e.st_mode = node.mode
+        e.st_nlink = 1
+        e.st_uid = node.uid
+        e.st_gid = node.gid
+        e.st_rdev = 0
+        e.st_size = node.size
+        e.st_blksize = BLOCK_SIZE_HINT
+        e.st_blocks = (node.size + 511) // 512
+        e.st_atime_ns = node.mtime_ns
+        e.st_mtime_ns = node.mtime_ns
+        e.st_ctime_ns = node.ctime_ns
+        return e
+
+    def _node(self, ino: int) -> _Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+
+    def stats(self) -> dict[str, Any]:
+        sizes = self.write_sizes.most_common(MAX_DISTINCT_SIZES)
+        other = sum(self.write_sizes.values()) - sum(n for _, n in sizes)
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "ops": dict(self.ops),
+            "write_bytes": self.write_bytes,
+            "write_sizes": {str(size): n for size, n in sizes},
+        }
+        if other:
+            out["write_sizes_other"] = other
+        return out
+
+    # -- operations ------------------------------------------------------------------------
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
+        self.ops["lookup"] += 1
+        if parent_inode != ROOT:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if name in (b".", b".."):
+            ino = ROOT
+        else:
+            ino = self.names.get(name, 0)
+            if not ino:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+        node = self.inodes[ino]
+        node.lookups += 1
+        return self._attrs(node)
+
+    async def forget(self, inode_list: Any) -> None:
+        self.ops["forget"] += 1
+        for ino, count in inode_list:
+            node = self.inodes.get(ino)
+            if node is None or ino == ROOT:
+                continue
+            node.lookups -= count
+            if node.lookups <= 0 and self.names.get(node.name) != ino:
+                del self.inodes[ino]
+
+    async def getattr(self, inode: int, ctx: Any = None) -> Any:
+        self.ops["getattr"] += 1
+        return self._attrs(self._node(inode))
+
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
+        self.ops["setattr"] += 1
+        node = self._node(inode)
+        if fields.update_size:
+            node.size = attr.st_size
+        if fields.update_mode:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            node.uid = attr.st_uid
+        if fields.update_gid:
+            node.gid = attr.st_gid
+        if fields.update_mtime:
+            node.mtime_ns = attr.st_mtime_ns
+        node.ctime_ns = time.time_ns()
+        return self._attrs(node)
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: Any) -> Any:
+        self.ops["create"] += 1
+        if parent_inode != ROOT:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if name in self.names:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        node = _Inode(self.next_ino, name, stat.S_IFREG | stat.S_IMODE(mode),
+                      ctx.uid, ctx.gid)
+        self.next_ino += 1
+        node.lookups = 1
+        self.inodes[node.ino] = node
+        self.names[name] = node.ino
+        return pyfuse3.FileInfo(fh=self._new_fh(node.ino)), self._attrs(node)
+
+    async def open(self, inode: int, flags: int, ctx: Any) -> Any:
+        self.ops["open"] += 1
+        node = self._node(inode)
+        if stat.S_ISDIR(node.mode):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if flags & os.O_TRUNC:
+            node.size = 0
+        return pyfuse3.FileInfo(fh=self._new_fh(inode))
+
+    def _new_fh(self, ino: int) -> int:
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = ino
+        return fh
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        n = len(buf)
+        self.ops["write"] += 1
+        self.write_sizes[n] += 1
+        self.write_bytes += n
+        node = self.inodes[self.handles[fh]]
+        if off + n > node.size:
+            node.size = off + n
+        return n
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        self.ops["read"] += 1
+        node = self.inodes[self.handles[fh]]
+        return bytes(max(0, min(size, node.size - off)))  # zeros: the data was discarded
+
+    async def flush(self, fh: int) -> None:
+        self.ops["flush"] += 1
+
+    async def release(self, fh: int) -> None:
+        self.ops["release"] += 1
+        self.handles.pop(fh, None)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self.ops["unlink"] += 1
+        ino = self.names.pop(name, 0)
+        if not ino:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if self.inodes[ino].lookups <= 0:
+            del self.inodes[ino]
+
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        self.ops["getxattr"] += 1
+        if inode == ROOT and name == STATS_XATTR:
+            return json.dumps(self.stats()).encode()
+        raise pyfuse3.FUSEError(errno.ENODATA)
+
+    async def statfs(self, ctx: Any) -> Any:
+        self.ops["statfs"] += 1
+        st = pyfuse3.StatvfsData()
+        st.f_bsize = st.f_frsize = 4096
+        st.f_blocks = st.f_bfree = st.f_bavail = 1 << 40  # 4 PiB, all free
+        st.f_files = st.f_ffree = st.f_favail = 1 << 32
+        st.f_namemax = 255
+        return st
+
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        self.ops["opendir"] += 1
+        if inode != ROOT:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        self.ops["readdir"] += 1
+        for ino in sorted(i for i in self.names.values() if i > start_id):
+            node = self.inodes[ino]
+            if not pyfuse3.readdir_reply(token, node.name, self._attrs(node), ino):
+                return
+            node.lookups += 1
+
+    async def releasedir(self, fh: int) -> None:
+        self.ops["releasedir"] += 1
+
+
+def fuse_options() -> set[str]:
+    """The options ckptfs mounts with (ckptfs.mount.fuse_options), under our own name."""
+    return set(pyfuse3.default_options) | {"fsname=nullfs", "subtype=nullfs"}
+
+
+async def _serve(max_tasks: int) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_terminate_on_signal)
+        await pyfuse3.main(min_tasks=1, max_tasks=max_tasks)
+        nursery.cancel_scope.cancel()
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            pyfuse3.terminate()
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mountpoint")
+    parser.add_argument("--max-tasks", type=int, default=64,
+                        help="pyfuse3 worker tasks (ckptfs default: fuse_workers = 64)")
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                        format="%(asctime)s nullfs %(levelname)s: %(message)s", stream=sys.stderr)
+    ops = NullFs()
+    pyfuse3.init(ops, args.mountpoint, fuse_options())
+    try:
+        trio.run(_serve, args.max_tasks)
+    finally:
+        pyfuse3.close(unmount=True)
+    log.info("unmounted; stats: %s", json.dumps(ops.stats()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install what ckptfs needs on a fresh Debian/Ubuntu machine: fuse3 from apt, the package
+# with its test and demo extras from PyPI. Idempotent; needs root (or sudo) for apt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null \
+   || ! command -v getfattr >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+# torch==2.13.0 is the CPU build; it is only a test/demo extra, never a runtime dependency.
+"$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test,demo]'
