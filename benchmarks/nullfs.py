@@ -14,8 +14,19 @@ ckptfs is exactly the work ckptfs does per request:
     forget, opendir/readdir/releasedir so the benchmark can clean up and ``ls`` works.
 
 Statistics (op counts and a histogram of the sizes of the write requests the kernel sends)
-are readable as the xattr ``user.nullfs.stats`` of the mount root (JSON). They are cumulative;
-readers diff two snapshots.
+are readable as the xattr ``user.nullfs.stats`` of the mount root (JSON), and, with
+``--stats-file F``, written to F whenever someone looks up the name ``.nullfs-stats`` in the
+root (``os.path.exists(mnt/".nullfs-stats")``; the lookup then fails with ENOENT), which works
+even with ``--getxattr-enosys``. They are cumulative; readers diff two snapshots.
+
+Variants, to take the FUSE write path apart (all off by default):
+
+  --backing-dir DIR    land the bytes in DIR/<ino> with os.pwrite (one more copy, into the page
+                       cache of a real disk): the least any staging filesystem must do
+  --writeback-cache    let the kernel cache writes (FUSE writeback cache) and send them in the
+                       background; close() still waits until every byte reached the daemon
+  --getxattr-enosys    answer getxattr with ENOSYS, so the kernel stops asking for
+                       security.capability before every write() (costs the xattr API)
 
 Usage: ``python benchmarks/nullfs.py MOUNTPOINT`` serves in the foreground until unmounted
 (``fusermount3 -u MOUNTPOINT``) or sent SIGTERM/SIGINT.
@@ -42,6 +53,7 @@ log = logging.getLogger("nullfs")
 
 ROOT = pyfuse3.ROOT_INODE
 STATS_XATTR = b"user.nullfs.stats"
+STATS_NAME = b".nullfs-stats"
 ATTR_TIMEOUT = 10.0  # as ckptfs
 BLOCK_SIZE_HINT = 1024 * 1024  # as ckptfs
 MAX_DISTINCT_SIZES = 256  # keep the stats xattr well below XATTR_SIZE_MAX (64 KiB)
@@ -67,8 +79,14 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
     supports_dot_lookup = True
     enable_writeback_cache = False  # as ckptfs
 
-    def __init__(self) -> None:
+    def __init__(self, *, backing_dir: str | None = None, writeback_cache: bool = False,
+                 getxattr_enosys: bool = False, stats_file: str | None = None) -> None:
         super().__init__()
+        self.backing_dir = backing_dir
+        self.enable_writeback_cache = writeback_cache
+        self.getxattr_enosys = getxattr_enosys
+        self.stats_file = stats_file
+        self.backing_fds: dict[int, tuple[int, int]] = {}  # ino -> (fd, refs)
         root = _Inode(ROOT, b"", stat.S_IFDIR | 0o777, os.getuid(), os.getgid())
         self.inodes: dict[int, _Inode] = {ROOT: root}
         self.names: dict[bytes, int] = {}
@@ -127,6 +145,12 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if name in (b".", b".."):
             ino = ROOT
+        elif name == STATS_NAME and self.stats_file:
+            tmp = self.stats_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.stats(), f)
+            os.replace(tmp, self.stats_file)
+            raise pyfuse3.FUSEError(errno.ENOENT)
         else:
             ino = self.names.get(name, 0)
             if not ino:
@@ -154,6 +178,10 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
         node = self._node(inode)
         if fields.update_size:
             node.size = attr.st_size
+            if self.backing_dir:
+                fd = self._backing_acquire(inode)
+                os.ftruncate(fd, attr.st_size)
+                self._backing_release(inode)
         if fields.update_mode:
             node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
         if fields.update_uid:
@@ -185,29 +213,61 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
         node = self._node(inode)
         if stat.S_ISDIR(node.mode):
             raise pyfuse3.FUSEError(errno.EISDIR)
+        fh = self._new_fh(inode)
         if flags & os.O_TRUNC:
             node.size = 0
-        return pyfuse3.FileInfo(fh=self._new_fh(inode))
+            if self.backing_dir:
+                os.ftruncate(self.backing_fds[inode][0], 0)
+        return pyfuse3.FileInfo(fh=fh)
 
     def _new_fh(self, ino: int) -> int:
         fh = self.next_fh
         self.next_fh += 1
         self.handles[fh] = ino
+        if self.backing_dir:
+            self._backing_acquire(ino)
         return fh
+
+    def _backing_acquire(self, ino: int) -> int:
+        assert self.backing_dir is not None
+        fd, refs = self.backing_fds.get(ino, (-1, 0))
+        if fd < 0:
+            fd = os.open(os.path.join(self.backing_dir, str(ino)),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.backing_fds[ino] = (fd, refs + 1)
+        return fd
+
+    def _backing_release(self, ino: int) -> None:
+        fd, refs = self.backing_fds[ino]
+        if refs == 1:
+            del self.backing_fds[ino]
+            os.close(fd)
+        else:
+            self.backing_fds[ino] = (fd, refs - 1)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         n = len(buf)
         self.ops["write"] += 1
         self.write_sizes[n] += 1
         self.write_bytes += n
-        node = self.inodes[self.handles[fh]]
+        ino = self.handles[fh]
+        if self.backing_dir:
+            fd = self.backing_fds[ino][0]
+            view = memoryview(buf)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[done:], off + done)
+        node = self.inodes[ino]
         if off + n > node.size:
             node.size = off + n
         return n
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         self.ops["read"] += 1
-        node = self.inodes[self.handles[fh]]
+        ino = self.handles[fh]
+        if self.backing_dir:
+            return os.pread(self.backing_fds[ino][0], size, off)
+        node = self.inodes[ino]
         return bytes(max(0, min(size, node.size - off)))  # zeros: the data was discarded
 
     async def flush(self, fh: int) -> None:
@@ -215,7 +275,9 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
 
     async def release(self, fh: int) -> None:
         self.ops["release"] += 1
-        self.handles.pop(fh, None)
+        ino = self.handles.pop(fh, None)
+        if ino is not None and self.backing_dir:
+            self._backing_release(ino)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         self.ops["unlink"] += 1
@@ -224,9 +286,16 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
             raise pyfuse3.FUSEError(errno.ENOENT)
         if self.inodes[ino].lookups <= 0:
             del self.inodes[ino]
+        if self.backing_dir:
+            try:
+                os.unlink(os.path.join(self.backing_dir, str(ino)))
+            except FileNotFoundError:
+                pass
 
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         self.ops["getxattr"] += 1
+        if self.getxattr_enosys:
+            raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel will not ask again
         if inode == ROOT and name == STATS_XATTR:
             return json.dumps(self.stats()).encode()
         raise pyfuse3.FUSEError(errno.ENODATA)
@@ -282,11 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mountpoint")
     parser.add_argument("--max-tasks", type=int, default=64,
                         help="pyfuse3 worker tasks (ckptfs default: fuse_workers = 64)")
+    parser.add_argument("--backing-dir", help="pwrite the data into files in this directory")
+    parser.add_argument("--writeback-cache", action="store_true",
+                        help="enable the FUSE writeback cache")
+    parser.add_argument("--getxattr-enosys", action="store_true",
+                        help="answer getxattr with ENOSYS (no security.capability round trips)")
+    parser.add_argument("--stats-file", help="dump stats here on lookup of .nullfs-stats")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(asctime)s nullfs %(levelname)s: %(message)s", stream=sys.stderr)
-    ops = NullFs()
+    ops = NullFs(backing_dir=args.backing_dir, writeback_cache=args.writeback_cache,
+                 getxattr_enosys=args.getxattr_enosys, stats_file=args.stats_file)
     pyfuse3.init(ops, args.mountpoint, fuse_options())
     try:
         trio.run(_serve, args.max_tasks)

@@ -21,9 +21,22 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckptfs.config import Config, load_config
+try:  # typer >= 0.20 vendors click; older versions use click itself
+    from typer._click.exceptions import (  # type: ignore[import-not-found,unused-ignore]
+        ClickException as _ClickException,
+        NoArgsIsHelpError as _NoArgsIsHelpError,
+        UsageError as _UsageError,
+    )
+except ImportError:  # pragma: no cover
+    from click.exceptions import (  # type: ignore[assignment,unused-ignore]
+        ClickException as _ClickException,
+        NoArgsIsHelpError as _NoArgsIsHelpError,
+        UsageError as _UsageError,
+    )
+
+from ckptfs.config import Config, config_path, load_config, store_url
 from ckptfs.errors import UserError
-from ckptfs.mountinfo import FSTYPE, find, normalize
+from ckptfs.mountinfo import FSTYPE, check_mountpoint, find, normalize
 
 app = typer.Typer(
     name="ckptfs",
@@ -73,14 +86,18 @@ def mount(
     ready_fd: Annotated[Optional[int], typer.Option(hidden=True)] = None,
 ) -> None:
     """Mount ckptfs at MOUNTPOINT; returns once the mount is ready."""
+    # Relative paths are resolved here: the background daemon runs in "/".
+    config_file = config_path(config_file)
     overrides: dict[str, Any] = {
         "staging_dir": _abs(staging),
-        "store": store,
+        "store": None if store is None else store_url(store),
         "allow_other": allow_other,
         "log_level": log_level,
     }
-    config = load_config(_abs(config_file), overrides)
+    config = load_config(config_file, overrides)
     if not foreground:
+        # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
+        check_mountpoint(mountpoint)
         _spawn_daemon(mountpoint, config_file, overrides)
         return
     _serve_foreground(config, mountpoint, ready_fd)
@@ -90,7 +107,7 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
     """Start ``mount --foreground`` detached and relay its readiness or its one-line error."""
     args = [sys.executable, "-m", "ckptfs", "mount", os.path.abspath(mountpoint), "--foreground"]
     if config_file is not None:
-        args += ["--config", str(_abs(config_file))]
+        args += ["--config", str(config_file)]
     for key, value in overrides.items():
         if value is None:
             continue
@@ -120,10 +137,13 @@ def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
             if not chunk:
                 break
             chunks.append(chunk)
-    text = b"".join(chunks).decode(errors="replace").strip()
+    text = " ".join(b"".join(chunks).decode(errors="replace").split())
     if text:
         return text
-    code = proc.poll()
+    try:
+        code = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return f"error: the ckptfs daemon (pid {proc.pid}) did not report the mount as ready"
     return f"error: the ckptfs daemon exited (code {code}) before the mount was ready"
 
 
@@ -137,15 +157,22 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
     def report(message: str) -> None:
         nonlocal ready_fd
         if ready_fd is not None:
-            os.write(ready_fd, message.encode() + b"\n")
-            os.close(ready_fd)
-            ready_fd = None
+            fd, ready_fd = ready_fd, None
+            try:
+                os.write(fd, " ".join(message.split()).encode() + b"\n")
+            except OSError:
+                pass  # the parent is gone; nobody is waiting for the answer
+            finally:
+                os.close(fd)
 
     try:
         real_mountpoint, staging = mount_mod.prepare(config, mountpoint)
     except UserError as exc:
+        if ready_fd is None:
+            raise
+        # The parent prints the one line; printing it here too would show it twice.
         report(f"error: {exc}")
-        raise
+        raise SystemExit(exc.exit_code) from None
     if ready_fd is not None:
         # Detached: from here on, logs go to the staging directory.
         log_fd = os.open(staging.root / mount_mod.LOG_NAME,
@@ -156,7 +183,11 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
     try:
         trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"))
     except BaseException as exc:
-        report(f"error: {exc}" if str(exc) else f"error: {type(exc).__name__}")
+        if ready_fd is not None:
+            what = str(exc) or type(exc).__name__
+            if not isinstance(exc, UserError):
+                what += f" (details in {staging.root / mount_mod.LOG_NAME})"
+            report(f"error: {what}")
         raise
 
 
@@ -169,6 +200,8 @@ def umount(
     """Unmount a ckptfs mount and wait for its daemon to exit."""
     entry = find(mountpoint)
     if entry is None:
+        if not os.path.lexists(mountpoint):
+            raise UserError(f"{mountpoint} does not exist")
         raise UserError(f"{mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         raise UserError(f"{mountpoint} is not a ckptfs mount (it is {entry.fstype})")
@@ -222,11 +255,28 @@ def _wait_exit(pid: int, timeout: float) -> bool:
     return not _alive(pid)
 
 
+def _fail(message: str, exit_code: int) -> None:
+    print("ckptfs: error: " + " ".join(message.split()), file=sys.stderr)
+    sys.exit(exit_code)
+
+
 def main() -> None:
     try:
-        app()
+        # Not standalone: usage errors come back here and are printed as one line, like
+        # every other user error, instead of click's multi-line box.
+        code = app(prog_name="ckptfs", standalone_mode=False)
     except UserError as exc:
-        print(f"ckptfs: error: {exc}", file=sys.stderr)
+        _fail(str(exc), exc.exit_code)
+    except _NoArgsIsHelpError as exc:
+        print(exc.format_message(), file=sys.stderr)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except _UsageError as exc:
+        hint = ""
+        if exc.ctx is not None:
+            hint = f" (see '{exc.ctx.command_path} --help')"
+        _fail(exc.format_message() + hint, exc.exit_code)
+    except _ClickException as exc:
+        _fail(exc.format_message(), exc.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -91,6 +91,15 @@ class KeepRules(_Strict):
         return value
 
 
+class FaultConfig(_Strict):
+    """Fault injection for tests and drills (tiers/faulty.py). Never set it in production."""
+
+    latency: Duration = timedelta(0)
+    bandwidth: int | None = Field(default=None, ge=1)  # bytes per second
+    fail_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    down_file: Path | None = None  # the store is "down" while this file exists
+
+
 class TierConfig(_Strict):
     """One tier. ``hot`` is the staging directory itself and has no URL."""
 
@@ -103,6 +112,10 @@ class TierConfig(_Strict):
     region: str | None = None
     access_key_id: SecretStr | None = None
     secret_access_key: SecretStr | None = None
+    # Multipart uploads: files larger than part_size go in parts, part_concurrency at once.
+    part_size: int = Field(default=16 * 1024 * 1024, ge=5 * 1024 * 1024, le=5 * 1024**3)
+    part_concurrency: int = Field(default=4, ge=1, le=64)
+    faults: FaultConfig | None = None
 
     @field_validator("url")
     @classmethod
@@ -129,7 +142,7 @@ def validate_tier_url(url: str) -> None:
             if values[-1] not in STORAGE_CLASSES:
                 raise ValueError(
                     f"storage_class must be one of {', '.join(sorted(STORAGE_CLASSES))}, "
-                    f"not {values[-1]!r}"
+                    f"not {values[-1]!r} (in {url!r})"
                 )
     elif parts.scheme == "memory":
         if not parts.netloc:

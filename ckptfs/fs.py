@@ -24,9 +24,11 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from ckptfs.errors import (
     BadHandle,
+    NotFound,
     InvalidArgument,
     IsADirectory,
     NoSuchAttribute,
@@ -82,6 +84,37 @@ class FsStats:
     name_max: int
 
 
+class ChangeListener(Protocol):
+    """What stage 2 (upload.py) needs to hear from the core. Calls must not block."""
+
+    def inode_changed(self, ino: int) -> None: ...
+    def tree_moved(self, inos: list[int]) -> None: ...
+    def tombstone_added(self, tomb_id: int, key: str) -> None: ...
+    def cancel(self, ino: int) -> None: ...
+    def last_seq(self) -> int: ...
+    async def wait_until_done(self, upto_seq: int) -> None: ...
+
+
+class _NoListener:
+    def inode_changed(self, ino: int) -> None:
+        pass
+
+    def tree_moved(self, inos: list[int]) -> None:
+        pass
+
+    def tombstone_added(self, tomb_id: int, key: str) -> None:
+        pass
+
+    def cancel(self, ino: int) -> None:
+        pass
+
+    def last_seq(self) -> int:
+        return 0
+
+    async def wait_until_done(self, upto_seq: int) -> None:
+        pass
+
+
 def state_label(row: Row) -> str:
     """What ``user.ckptfs.state`` says of a file."""
     if row.incomplete:
@@ -94,8 +127,16 @@ def state_label(row: Row) -> str:
 class Filesystem:
     """The core. All methods run on the trio thread; none of them blocks on the network."""
 
-    def __init__(self, journal: Journal, staging: Staging) -> None:
+    def __init__(
+        self, journal: Journal, staging: Staging, *, unlink_remote: bool = True,
+        fsync_remote: bool = False,
+    ) -> None:
         self.journal = journal
+        self.listener: ChangeListener = _NoListener()
+        # unlink = "local-only" leaves remote copies to retention; fsync = "remote" waits for
+        # the store (docs/SEMANTICS.md).
+        self.unlink_remote = unlink_remote
+        self.fsync_remote = fsync_remote
         self.staging = staging
         self.ns = Namespace(journal, on_drop=self._drop_data)
         self._handles: dict[int, Handle] = {}
@@ -178,8 +219,22 @@ class Filesystem:
         if mtime_ns is not None:
             row.mtime_ns = mtime_ns
         row.ctime_ns = now
+        if (mode, uid, gid, mtime_ns) != (None, None, None, None) and size is None:
+            self._metadata_changed(row)
         self.ns.persist(row)
         return row
+
+    def _metadata_changed(self, row: Row) -> None:
+        """Mode, owner or mtime changed: the remote copy's metadata must follow."""
+        if self._writers.get(row.ino) or row.incomplete or row.state is State.OPEN:
+            return  # the close to come uploads it all
+        if row.state in (State.COMMITTED, State.UPLOADING):
+            if stat.S_ISREG(row.mode):
+                self.listener.cancel(row.ino)
+                self._mark_staged(row)
+            else:
+                row.state = State.STAGED
+                self.listener.inode_changed(row.ino)
 
     def readlink(self, ino: int) -> bytes:
         row = self.ns.get(ino)
@@ -195,6 +250,7 @@ class Filesystem:
             state=State.STAGED,
         )
         self.ns.remember(row.ino)
+        self.listener.inode_changed(row.ino)
         return row
 
     def mknod(self, parent: int, name: bytes, mode: int, caller: Caller) -> Row:
@@ -204,6 +260,7 @@ class Filesystem:
         row = self.ns.create(parent, name, mode, caller.uid, caller.gid, state=State.STAGED)
         self.staging.create_empty(row.ino)
         self.ns.remember(row.ino)
+        self.listener.inode_changed(row.ino)
         return row
 
     def symlink(self, parent: int, name: bytes, target: bytes, caller: Caller) -> Row:
@@ -212,16 +269,41 @@ class Filesystem:
             target=target,
         )
         self.ns.remember(row.ino)
+        self.listener.inode_changed(row.ino)
         return row
 
     def link(self, ino: int, parent: int, name: bytes) -> Row:
         raise NotPermitted("hard links are not supported")
 
     def unlink(self, parent: int, name: bytes) -> None:
-        self.ns.unlink(parent, name, directory=False)
+        self._remove(parent, name, directory=False)
 
     def rmdir(self, parent: int, name: bytes) -> None:
-        self.ns.unlink(parent, name, directory=True)
+        self._remove(parent, name, directory=True)
+
+    def _remove(self, parent: int, name: bytes, *, directory: bool) -> None:
+        row = self.ns.lookup(parent, name)
+        keys = self._remote_keys(row)
+        with self.journal.transaction():
+            self.ns.unlink(parent, name, directory=directory)
+            tombs = [(self.journal.add_tombstone(k), k) for k in keys]
+        self._forget_remote(row, tombs)
+
+    def _remote_keys(self, row: Row) -> list[str]:
+        """Keys on the warm tier that hold (or may soon hold) ``row``: deleted with it."""
+        if not self.unlink_remote:
+            return []
+        keys = {row.remote_key} if row.remote_key else set()
+        if row.state is State.UPLOADING:
+            path = self.journal.path_of(row.ino)
+            if path:
+                keys.add(os.fsdecode(path))
+        return sorted(keys)
+
+    def _forget_remote(self, row: Row, tombs: list[tuple[int, str]]) -> None:
+        self.listener.cancel(row.ino)
+        for tomb_id, key in tombs:
+            self.listener.tombstone_added(tomb_id, key)
 
     def rename(
         self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0
@@ -230,10 +312,28 @@ class Filesystem:
             RENAME_NOREPLACE | RENAME_EXCHANGE
         ):
             raise InvalidArgument(f"rename flags {flags:#x}")
-        self.ns.rename(
-            old_parent, old_name, new_parent, new_name,
-            noreplace=bool(flags & RENAME_NOREPLACE), exchange=bool(flags & RENAME_EXCHANGE),
-        )
+        src = self.ns.lookup(old_parent, old_name)
+        try:
+            dst: Row | None = self.ns.lookup(new_parent, new_name)
+        except NotFound:
+            dst = None
+        exchange = bool(flags & RENAME_EXCHANGE)
+        replaced_keys = self._remote_keys(dst) if dst is not None and not exchange else []
+        with self.journal.transaction():
+            moved, replaced = self.ns.rename(
+                old_parent, old_name, new_parent, new_name,
+                noreplace=bool(flags & RENAME_NOREPLACE), exchange=exchange,
+            )
+            tombs = [(self.journal.add_tombstone(k), k) for k in replaced_keys] if replaced else []
+        if replaced is not None and not exchange:
+            self._forget_remote(replaced, tombs)
+        for row in (moved, replaced) if exchange else (moved,):
+            if row is None:
+                continue
+            if stat.S_ISDIR(row.mode):
+                self.listener.tree_moved(self.journal.descendants(row.ino) + [row.ino])
+            else:
+                self.listener.inode_changed(row.ino)
 
     def readdir(self, ino: int, after: int) -> Iterator[Row]:
         """Entries after the cursor ``after`` (0 = start); each row's ino is the next cursor."""
@@ -249,13 +349,20 @@ class Filesystem:
         if not stat.S_ISREG(row.mode):
             raise InvalidArgument("not a regular file")
         writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        # Linux truncates on O_TRUNC even for O_RDONLY (the kernel checked write permission),
+        # and with atomic_o_trunc the kernel leaves that truncation to us.
+        truncate = bool(flags & os.O_TRUNC)
         if writable:
             self._begin_write(row)
+        elif truncate:
+            self._modify_data(row)
         fd = self.staging.acquire(ino)
-        if writable and flags & os.O_TRUNC:
+        if truncate:
             os.ftruncate(fd, 0)
             row.size = 0
             row.mtime_ns = row.ctime_ns = time.time_ns()
+            if not self._writers.get(ino):
+                self._mark_staged(row)
             self.ns.persist(row)
         return self._new_handle(row, fd, writable)
 
@@ -307,15 +414,18 @@ class Filesystem:
 
     def _modify_data(self, row: Row) -> None:
         """The bytes are about to change: a new version, no longer committed anywhere."""
+        self.listener.cancel(row.ino)
         row.version += 1
         row.checksum = None
         row.tiers = ""
         row.committed_at = None
 
     def _mark_staged(self, row: Row) -> None:
+        """Closed: ready for upload (the caller persists the row before its next await)."""
         row.state = State.STAGED
         row.incomplete = False
         row.closed_at = time.time()
+        self.listener.inode_changed(row.ino)
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
@@ -336,13 +446,17 @@ class Filesystem:
         if self.ns.is_dirty(handle.ino):
             self.ns.persist(self.ns.get(handle.ino))
 
-    def fsync(self, fh: int, datasync: bool) -> None:
+    async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self._handle(fh)
         assert handle.fd is not None
         self.staging.sync(handle.fd, datasync)
         if self.ns.is_dirty(handle.ino):
             self.ns.persist(self.ns.get(handle.ino))
         self.journal.make_durable()
+        if self.fsync_remote:
+            # Everything closed so far reaches the warm tier (this file too once closed: a
+            # file open for writing is never uploaded).
+            await self.listener.wait_until_done(self.listener.last_seq())
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)

@@ -179,7 +179,7 @@ class FuseOps(pyfuse3.Operations):  # type: ignore[misc]
 
     @_translate_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        self.fs.fsync(fh, datasync)
+        await self.fs.fsync(fh, datasync)
 
     @_translate_errors
     async def opendir(self, inode: int, ctx: Any) -> int:

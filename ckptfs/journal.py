@@ -69,6 +69,9 @@ class Row:
     tiers: str = ""
     closed_at: float | None = None
     committed_at: float | None = None
+    # The key of the committed copy on the warm tier (directories end in "/"); it differs from
+    # the path while a rename is being carried to the store.
+    remote_key: str | None = None
 
 
 _COLUMNS = tuple(f.name for f in fields(Row))
@@ -95,7 +98,12 @@ CREATE TABLE IF NOT EXISTS inodes (
     tiers        TEXT NOT NULL DEFAULT '',
     closed_at    REAL,
     committed_at REAL,
+    remote_key   TEXT,
     UNIQUE (parent, name)
+);
+CREATE TABLE IF NOT EXISTS tombstones (
+    id  INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS xattrs (
     ino   INTEGER NOT NULL REFERENCES inodes(ino) ON DELETE CASCADE,
@@ -250,6 +258,19 @@ class Journal:
             parts.append(r_name)
         return None
 
+    def descendants(self, ino: int) -> list[int]:
+        """Every inode below directory ``ino``, deepest last."""
+        return [
+            r[0]
+            for r in self._db.execute(
+                "WITH RECURSIVE down(ino, depth) AS ("
+                " SELECT ino, 1 FROM inodes WHERE parent = ?"
+                " UNION ALL SELECT i.ino, down.depth + 1 FROM inodes i JOIN down"
+                " ON i.parent = down.ino) SELECT ino FROM down ORDER BY depth, ino",
+                (ino,),
+            )
+        ]
+
     def rows_in_states(self, *states: State) -> list[Row]:
         marks = ", ".join("?" * len(states))
         return [
@@ -269,6 +290,47 @@ class Journal:
 
     def all_inos(self) -> set[int]:
         return {r[0] for r in self._db.execute("SELECT ino FROM inodes")}
+
+    def unreconciled(self) -> list[Row]:
+        """Inodes that may differ from the warm tier (all but open, incomplete and the root)."""
+        return [
+            _row(r)
+            for r in self._db.execute(
+                _SELECT + " WHERE ino != ? AND parent IS NOT NULL AND incomplete = 0"
+                " AND state NOT IN (?, ?) ORDER BY closed_at, ino",
+                (ROOT_INODE, State.OPEN.value, State.REMOTE.value),
+            )
+        ]
+
+    def paths_in_states(self, *states: State) -> list[bytes]:
+        paths = []
+        for row in self.rows_in_states(*states):
+            path = self.path_of(row.ino)
+            if path:
+                paths.append(path)
+        return paths
+
+    # -- tombstones: remote keys to delete ------------------------------------------------
+
+    def add_tombstone(self, key: str) -> int:
+        cur = self._db.execute("INSERT INTO tombstones (key) VALUES (?)", (key,))
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def tombstones(self) -> list[tuple[int, str]]:
+        return [(r[0], r[1]) for r in self._db.execute("SELECT id, key FROM tombstones ORDER BY id")]
+
+    def tombstone_key(self, tomb_id: int) -> str | None:
+        found = self._db.execute("SELECT key FROM tombstones WHERE id = ?", (tomb_id,)).fetchone()
+        return str(found[0]) if found else None
+
+    def drop_tombstone(self, tomb_id: int) -> None:
+        self._db.execute("DELETE FROM tombstones WHERE id = ?", (tomb_id,))
+
+    def drop_tombstones_for(self, key: str) -> list[int]:
+        ids = [r[0] for r in self._db.execute("SELECT id FROM tombstones WHERE key = ?", (key,))]
+        self._db.execute("DELETE FROM tombstones WHERE key = ?", (key,))
+        return ids
 
     # -- xattrs ---------------------------------------------------------------------------
 

@@ -21,11 +21,16 @@ import trio
 
 from ckptfs import __version__
 from ckptfs.config import Config
+from ckptfs.control import ControlServer
+from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import Journal
 from ckptfs.mountinfo import check_mountpoint
 from ckptfs.staging import Staging
+from ckptfs.tiers import open_tier
+from ckptfs.tiers.base import Tier, TierError
+from ckptfs.upload import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -61,39 +66,61 @@ def prepare(config: Config, mountpoint: Path) -> tuple[Path, Staging]:
     return mountpoint, staging
 
 
+async def open_warm_tier(config: Config) -> Tier:
+    """The warm tier, checked: an unreachable store or missing bucket fails the mount fast."""
+    tier = open_tier(config.warm)
+    try:
+        await tier.check()
+    except (TierError, StoreUnavailable) as exc:
+        await tier.aclose()
+        raise UserError(str(exc)) from None
+    return tier
+
+
 async def serve(
     config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[], None]
 ) -> None:
     """Mount and serve until unmounted or signalled."""
+    tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     try:
-        fs = Filesystem(journal, staging)
+        fs = Filesystem(journal, staging, unlink_remote=config.unlink == "posix",
+                        fsync_remote=config.fsync == "remote")
         fs.start()
+        uploader = Uploader(journal, fs.ns, staging, tier,
+                            concurrency=config.upload_concurrency, markers=config.commit_markers)
+        fs.listener = uploader
+        uploader.requeue_from_journal()
+        control = ControlServer(fs, uploader, mountpoint, config.warm.url or "")
         fs.daemon_info = {
             "pid": os.getpid(),
             "staging_dir": str(staging.root),
+            "control": str(control.path),
             "version": __version__,
         }
-        pyfuse3.init(FuseOps(fs), str(mountpoint), fuse_options(config))
-        mounted = True
-        try:
-            log.info("mounted %s (staging %s, warm tier %s)", mountpoint, staging.root,
-                     config.warm.url)
-            async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(uploader.run)
+            await nursery.start(control.serve)
+            pyfuse3.init(FuseOps(fs), str(mountpoint), fuse_options(config))
+            try:
+                log.info("mounted %s (staging %s, warm tier %s)", mountpoint, staging.root,
+                         config.warm.url)
                 nursery.start_soon(_terminate_on_signal)
                 on_ready()
                 sd_notify("READY=1")
                 await pyfuse3.main(min_tasks=1, max_tasks=config.fuse_workers)
-                nursery.cancel_scope.cancel()
-        finally:
-            sd_notify("STOPPING=1")
-            fs.close()
-            if mounted:
+            finally:
+                sd_notify("STOPPING=1")
+                fs.close()
                 pyfuse3.close(unmount=True)
-            log.info("unmounted %s", mountpoint)
+                log.info("unmounted %s", mountpoint)
+            # Uploads still in flight stop here; the journal requeues them at the next mount.
+            nursery.cancel_scope.cancel()
     finally:
         journal.close()
         staging.close()
+        with trio.CancelScope(shield=True):
+            await tier.aclose()
 
 
 async def _terminate_on_signal() -> None:

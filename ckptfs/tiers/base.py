@@ -1,0 +1,163 @@
+"""The one narrow async interface every tier implements (memory, file, S3, fault wrapper).
+
+A tier stores *objects* under *keys*. A key is the path of a file relative to the mount root
+(``step_100/model.pt``); the tier adds its own prefix. The store stays a plain tree that
+``aws s3 cp``, DCP's own readers or a person can use without ckptfs.
+
+Entry kinds on a tier:
+- a file: the object itself, with ``ObjectMeta`` (mode, mtime, uid/gid, checksum);
+- a symlink: an object whose body is the target and whose meta says ``kind = symlink``
+  (a file tier uses a real symlink);
+- an empty directory: the key with a trailing ``/`` (a file tier uses a real directory).
+
+Invariants every implementation keeps (tests/test_tier_contract.py checks them):
+- ``put`` is atomic: a reader sees the old object or the whole new one, never a partial one,
+  and no temporary name is left behind if it fails or is cancelled.
+- Every operation is idempotent (deleting a missing key succeeds), so replaying the journal
+  after a crash is always safe.
+- Errors are ``StoreUnavailable`` (transient: retry later) or ``TierError`` (permanent);
+  ``NotFound`` for a missing key.
+- Blocking client calls run in worker threads, never on the trio thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptfs.errors import CkptfsError, StoreUnavailable
+
+# Called with the number of bytes just transferred (progress bars, rates).
+Progress = Callable[[int], None]
+
+
+class Kind(enum.StrEnum):
+    FILE = "file"
+    SYMLINK = "symlink"
+    DIRECTORY = "dir"
+
+
+class TierError(CkptfsError):
+    """A permanent tier error (bad credentials, missing bucket, invalid key): do not retry."""
+
+
+class ObjectMissing(CkptfsError):
+    """The key does not exist on the tier."""
+
+
+class ObjectArchived(CkptfsError):
+    """The object is in an archive storage class and must be restored before reading."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """What travels with an object so that a fresh node sees the same file."""
+
+    kind: Kind = Kind.FILE
+    mode: int = 0o644
+    mtime_ns: int = 0
+    uid: int = 0
+    gid: int = 0
+    checksum: str | None = None  # "crc32c:<8 hex digits>"
+    target: str | None = None  # symlinks
+
+    def to_headers(self) -> dict[str, str]:
+        """As S3 user metadata (x-amz-meta-ckptfs-*) or file-tier xattrs."""
+        headers = {
+            "ckptfs-kind": self.kind.value,
+            "ckptfs-mode": f"{self.mode:o}",
+            "ckptfs-mtime-ns": str(self.mtime_ns),
+            "ckptfs-uid": str(self.uid),
+            "ckptfs-gid": str(self.gid),
+        }
+        if self.checksum:
+            headers["ckptfs-checksum"] = self.checksum
+        return headers
+
+    @classmethod
+    def from_headers(cls, headers: dict[str, str]) -> ObjectMeta:
+        def num(key: str, base: int = 10, default: int = 0) -> int:
+            try:
+                return int(headers[key], base)
+            except (KeyError, ValueError):
+                return default
+
+        try:
+            kind = Kind(headers.get("ckptfs-kind", "file"))
+        except ValueError:
+            kind = Kind.FILE
+        return cls(
+            kind=kind,
+            mode=num("ckptfs-mode", 8, 0o644),
+            mtime_ns=num("ckptfs-mtime-ns"),
+            uid=num("ckptfs-uid"),
+            gid=num("ckptfs-gid"),
+            checksum=headers.get("ckptfs-checksum"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    meta: ObjectMeta = field(default_factory=ObjectMeta)
+    storage_class: str = "STANDARD"
+    restore_state: str | None = None  # None, "ongoing" or "done" (archive classes)
+    # False when a listing gave only key and size (S3): ``head`` tells the rest.
+    meta_known: bool = True
+
+
+class Tier(abc.ABC):
+    """One storage location. Subclasses implement the abstract methods; nothing else."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self.url = url
+
+    async def check(self) -> None:
+        """Fail fast at mount time (unreachable, missing bucket, bad credentials)."""
+
+    async def cleanup(self, keys_of_ours: set[str]) -> int:
+        """Remove leftovers of interrupted puts to ``keys_of_ours``; returns how many."""
+        return 0
+
+    @abc.abstractmethod
+    async def put_file(
+        self, key: str, source: Path, size: int, meta: ObjectMeta,
+        progress: Progress | None = None,
+    ) -> None:
+        """Store ``size`` bytes of the local file ``source`` at ``key``, atomically."""
+
+    @abc.abstractmethod
+    async def put_entry(self, key: str, meta: ObjectMeta) -> None:
+        """Represent a symlink (``meta.target``) or an empty directory at ``key``."""
+
+    @abc.abstractmethod
+    async def read_into(self, key: str, offset: int, length: int, fd: int, fd_offset: int) -> int:
+        """Copy ``length`` bytes at ``offset`` of the object into ``fd`` at ``fd_offset``."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> ObjectInfo:
+        """Size and metadata of ``key``; ``ObjectMissing`` if absent."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every entry under ``prefix`` (recursive); directories appear as ``key/``."""
+
+    @abc.abstractmethod
+    async def copy(self, src: str, dst: str) -> None:
+        """Server-side copy (same tier), keeping metadata."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove ``key`` (a file, a symlink, or an empty-directory marker ``key/``)."""
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether retrying later may succeed."""
+        return isinstance(exc, StoreUnavailable)
+
+    async def aclose(self) -> None:
+        """Release clients and pools."""

@@ -1,0 +1,115 @@
+"""A fault-injecting wrapper around any tier: errors, latency, bandwidth limit, hangs, corruption.
+
+Unit tests drive the knobs directly. Real-mount tests (the daemon is another process) use the
+tier config table ``faults`` (see ``FaultConfig``), whose ``down_file`` lets a test take the
+store down and bring it back by creating and removing a file.
+
+Invariant: the wrapper never changes what a successful call does, except ``corrupt_reads``,
+which flips one byte of what ``read_into`` wrote (to prove checksums are checked).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import trio
+
+from ckptfs.errors import StoreUnavailable
+from ckptfs.tiers.base import ObjectInfo, ObjectMeta, Progress, Tier
+
+
+class FaultyTier(Tier):
+    def __init__(
+        self, inner: Tier, *, latency: float = 0.0, bandwidth: float | None = None,
+        fail_ratio: float = 0.0, down_file: Path | None = None, seed: int = 0,
+    ) -> None:
+        super().__init__(inner.name, inner.url)
+        self.inner = inner
+        self.latency = latency
+        self.bandwidth = bandwidth  # bytes per second for put_file/read_into, None = unlimited
+        self.fail_ratio = fail_ratio
+        self.down_file = down_file
+        self.down = False
+        self.fail_next = 0
+        self.hang = False
+        self.corrupt_reads = False
+        self.calls: Counter[str] = Counter()
+        self.bytes_read = 0
+        self._random = random.Random(seed)
+
+    def is_down(self) -> bool:
+        return self.down or (self.down_file is not None and self.down_file.exists())
+
+    async def _gate(self, op: str) -> None:
+        self.calls[op] += 1
+        if self.latency:
+            await trio.sleep(self.latency)
+        if self.hang:
+            await trio.sleep_forever()
+        if self.is_down():
+            raise StoreUnavailable(f"injected outage ({op})")
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise StoreUnavailable(f"injected failure ({op})")
+        if self.fail_ratio and self._random.random() < self.fail_ratio:
+            raise StoreUnavailable(f"injected random failure ({op})")
+
+    async def _throttle(self, size: int) -> None:
+        if self.bandwidth:
+            await trio.sleep(size / self.bandwidth)
+
+    async def check(self) -> None:
+        await self._gate("check")
+        await self.inner.check()
+
+    async def cleanup(self, keys_of_ours: set[str]) -> int:
+        await self._gate("cleanup")
+        return await self.inner.cleanup(keys_of_ours)
+
+    async def put_file(
+        self, key: str, source: Path, size: int, meta: ObjectMeta,
+        progress: Progress | None = None,
+    ) -> None:
+        await self._gate("put_file")
+        await self._throttle(size)
+        await self.inner.put_file(key, source, size, meta, progress)
+
+    async def put_entry(self, key: str, meta: ObjectMeta) -> None:
+        await self._gate("put_entry")
+        await self.inner.put_entry(key, meta)
+
+    async def read_into(self, key: str, offset: int, length: int, fd: int, fd_offset: int) -> int:
+        await self._gate("read_into")
+        await self._throttle(length)
+        n = await self.inner.read_into(key, offset, length, fd, fd_offset)
+        self.bytes_read += n
+        if self.corrupt_reads and n:
+            at = fd_offset + self._random.randrange(n)
+            byte = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at)
+        return n
+
+    async def head(self, key: str) -> ObjectInfo:
+        await self._gate("head")
+        return await self.inner.head(key)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        await self._gate("list")
+        return await self.inner.list(prefix)
+
+    async def copy(self, src: str, dst: str) -> None:
+        await self._gate("copy")
+        await self.inner.copy(src, dst)
+
+    async def delete(self, key: str) -> None:
+        await self._gate("delete")
+        await self.inner.delete(key)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return self.inner.is_transient(exc)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

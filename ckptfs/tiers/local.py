@@ -1,0 +1,310 @@
+"""``file:///path``: a directory on a parallel filesystem (Lustre, GPFS, NFS, ...).
+
+The tree under the root mirrors the mount: files are files, symlinks are symlinks, directories
+are directories. Mode, mtime and (as root) owner are set on the entry itself; the checksum goes
+in the ``user.ckptfs.checksum`` xattr where the filesystem supports xattrs.
+
+Invariants:
+- A put writes ``.<name>.ckptfs-tmp.<random>`` next to the target, fsyncs it, then renames it
+  over the target and fsyncs the directory: readers never see a partial file. Temporary names
+  are never listed and are removed when a put fails or is cancelled.
+- Copy is a hard link where the filesystem allows it (a rename on the store costs no data
+  copy), a streamed copy otherwise.
+- All blocking I/O runs in worker threads in chunks, so cancellation is seen between chunks.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+import trio
+
+from ckptfs.errors import StoreUnavailable
+from ckptfs.tiers.base import (
+    Kind,
+    ObjectInfo,
+    ObjectMeta,
+    ObjectMissing,
+    Progress,
+    Tier,
+    TierError,
+)
+
+TMP_MARK = ".ckptfs-tmp."
+CHUNK = 16 * 1024 * 1024
+_XATTR_CHECKSUM = "user.ckptfs.checksum"
+_TRANSIENT = {errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE, errno.EAGAIN,
+              errno.ENOSPC, errno.EDQUOT, errno.EHOSTDOWN, errno.ECONNRESET}
+
+
+class FileTier(Tier):
+    def __init__(self, name: str, url: str, root: Path,
+                 limiter: trio.CapacityLimiter | None = None) -> None:
+        super().__init__(name, url)
+        self.root = root
+        self._limiter = limiter or trio.CapacityLimiter(8)
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except FileNotFoundError as exc:
+            raise ObjectMissing(str(exc.filename)) from exc
+        except OSError as exc:
+            if exc.errno in _TRANSIENT:
+                raise StoreUnavailable(f"{self.url}: {exc}") from exc
+            raise TierError(f"{self.url}: {exc}") from exc
+
+    def _path(self, key: str) -> Path:
+        key = key.rstrip("/")
+        parts = key.split("/") if key else []
+        if any(p in ("", ".", "..") for p in parts):
+            raise TierError(f"invalid key {key!r}")
+        return self.root.joinpath(*parts)
+
+    async def check(self) -> None:
+        def probe() -> None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f"{TMP_MARK}probe.{secrets.token_hex(4)}"
+            probe.write_bytes(b"")
+            probe.unlink()
+
+        try:
+            await self._run(probe)
+        except (StoreUnavailable, TierError) as exc:
+            raise TierError(f"store {self.url} is not usable: {exc.__cause__ or exc}") from None
+
+    async def cleanup(self, keys_of_ours: set[str]) -> int:
+        def sweep() -> int:
+            removed = 0
+            for dirpath, dirnames, filenames in os.walk(self.root):
+                for name in filenames + dirnames:
+                    if TMP_MARK in name and name.startswith("."):
+                        target = name[1:name.index(TMP_MARK)]
+                        rel = os.path.relpath(os.path.join(dirpath, target), self.root)
+                        if rel in keys_of_ours:
+                            os.unlink(os.path.join(dirpath, name))
+                            removed += 1
+            return removed
+
+        result: int = await self._run(sweep)
+        return result
+
+    def _tmp_for(self, path: Path) -> Path:
+        return path.with_name(f".{path.name}{TMP_MARK}{secrets.token_hex(6)}")
+
+    async def put_file(
+        self, key: str, source: Path, size: int, meta: ObjectMeta,
+        progress: Progress | None = None,
+    ) -> None:
+        path = self._path(key)
+        await self._run(lambda: path.parent.mkdir(parents=True, exist_ok=True))
+        tmp = self._tmp_for(path)
+        src_fd = await self._run(os.open, source, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            dst_fd = await self._run(os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                done = 0
+                while done < size:
+                    n = await self._run(_copy_chunk, src_fd, dst_fd, done, min(CHUNK, size - done))
+                    if n == 0:
+                        raise TierError(f"{source} is shorter than {size} bytes")
+                    done += n
+                    if progress:
+                        progress(n)
+                await self._run(_finish, dst_fd, meta)
+            finally:
+                os.close(dst_fd)
+            await self._run(_publish, tmp, path)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_unlink_quiet, tmp)
+            raise
+        finally:
+            os.close(src_fd)
+
+    async def put_entry(self, key: str, meta: ObjectMeta) -> None:
+        path = self._path(key)
+
+        def make() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if meta.kind is Kind.DIRECTORY:
+                if path.is_symlink() or (path.exists() and not path.is_dir()):
+                    path.unlink()
+                path.mkdir(exist_ok=True)
+                os.chmod(path, stat.S_IMODE(meta.mode))
+                os.utime(path, ns=(meta.mtime_ns, meta.mtime_ns))
+                _chown(path, meta)
+            else:
+                tmp = self._tmp_for(path)
+                os.symlink(meta.target or "", tmp)
+                _chown(tmp, meta)
+                os.utime(tmp, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
+                _publish(tmp, path)
+
+        await self._run(make)
+
+    async def read_into(self, key: str, offset: int, length: int, fd: int, fd_offset: int) -> int:
+        path = self._path(key)
+
+        def copy() -> int:
+            src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                done = 0
+                while done < length:
+                    chunk = os.pread(src, min(CHUNK, length - done), offset + done)
+                    if not chunk:
+                        break
+                    done += os.pwrite(fd, chunk, fd_offset + done)
+                return done
+            finally:
+                os.close(src)
+
+        result: int = await self._run(copy)
+        return result
+
+    async def head(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        result: ObjectInfo = await self._run(_info, path, key.rstrip("/"))
+        return result
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        def walk() -> list[ObjectInfo]:
+            found = []
+            for dirpath, dirnames, filenames in os.walk(self.root):
+                rel_dir = os.path.relpath(dirpath, self.root)
+                rel_dir = "" if rel_dir == "." else rel_dir + "/"
+                for name in sorted(dirnames + filenames):
+                    if TMP_MARK in name:
+                        continue
+                    key = rel_dir + name
+                    try:
+                        info = _info(Path(dirpath) / name, key)
+                    except FileNotFoundError:
+                        continue  # removed while we walked
+                    if info.key.startswith(prefix):
+                        found.append(info)
+            return sorted(found, key=lambda i: i.key)
+
+        result: list[ObjectInfo] = await self._run(walk)
+        return result
+
+    async def copy(self, src: str, dst: str) -> None:
+        src_path, dst_path = self._path(src), self._path(dst)
+
+        def do_copy() -> None:
+            dst_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._tmp_for(dst_path)
+            if src_path.is_symlink():
+                os.symlink(os.readlink(src_path), tmp)
+            else:
+                try:
+                    os.link(src_path, tmp)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                        raise
+                    _full_copy(src_path, tmp)
+            _publish(tmp, dst_path)
+
+        await self._run(do_copy)
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+
+        def remove() -> None:
+            try:
+                if key.endswith("/"):
+                    os.rmdir(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                # A directory that still has children is still needed by them.
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                    raise
+
+        await self._run(remove)
+
+
+def _copy_chunk(src: int, dst: int, offset: int, length: int) -> int:
+    data = os.pread(src, length, offset)
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.pwrite(dst, view[written:], offset + written)
+    return len(data)
+
+
+def _finish(fd: int, meta: ObjectMeta) -> None:
+    os.fchmod(fd, stat.S_IMODE(meta.mode))
+    if os.geteuid() == 0:
+        os.fchown(fd, meta.uid, meta.gid)
+    if meta.checksum:
+        try:
+            os.setxattr(fd, _XATTR_CHECKSUM, meta.checksum.encode())
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+    os.utime(fd, ns=(meta.mtime_ns, meta.mtime_ns))
+    os.fsync(fd)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        os.rmdir(path)  # a file replaces an (empty) directory of the same name
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _full_copy(src: Path, dst: Path) -> None:
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        while chunk := fin.read(CHUNK):
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    st = os.stat(src)
+    os.chmod(dst, stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_mtime_ns, st.st_mtime_ns))
+    try:
+        os.setxattr(dst, _XATTR_CHECKSUM, os.getxattr(src, _XATTR_CHECKSUM))
+    except OSError:
+        pass
+
+
+def _chown(path: Path, meta: ObjectMeta) -> None:
+    if os.geteuid() == 0:
+        os.chown(path, meta.uid, meta.gid, follow_symlinks=False)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _info(path: Path, key: str) -> ObjectInfo:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        meta = ObjectMeta(Kind.SYMLINK, 0o777, st.st_mtime_ns, st.st_uid, st.st_gid, None, target)
+        return ObjectInfo(key, len(target), meta)
+    if stat.S_ISDIR(st.st_mode):
+        meta = ObjectMeta(Kind.DIRECTORY, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid,
+                          st.st_gid)
+        return ObjectInfo(key + "/", 0, meta)
+    try:
+        checksum: str | None = os.getxattr(path, _XATTR_CHECKSUM).decode()
+    except OSError:
+        checksum = None
+    meta = ObjectMeta(Kind.FILE, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid, st.st_gid,
+                      checksum)
+    return ObjectInfo(key, st.st_size, meta)

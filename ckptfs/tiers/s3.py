@@ -1,0 +1,289 @@
+"""``s3://bucket/prefix[?storage_class=...]``: any S3-compatible object store, through boto3.
+
+Invariants:
+- One boto3 client per tier, created once (clients are thread-safe); its connection pool is
+  as large as the thread limiter, so threads never wait for a connection.
+- Every boto3 call runs in ``trio.to_thread.run_sync`` under the tier's limiter; errors are
+  translated at this boundary into StoreUnavailable (transient), ObjectMissing,
+  ObjectArchived or TierError (permanent).
+- Files up to ``part_size`` are one PutObject; larger ones a multipart upload whose parts are
+  read from the staging file as they are sent (memory: part_size x part_concurrency). A
+  multipart upload that fails or is cancelled is aborted; ``cleanup`` aborts the ones a crash
+  left behind for keys this node owns.
+- botocore sends an integrity checksum with every PutObject/UploadPart (when_supported), and
+  our own whole-file CRC32C travels as ``x-amz-meta-ckptfs-checksum``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+import trio
+
+from ckptfs.errors import StoreUnavailable
+from ckptfs.tiers.base import (
+    Kind,
+    ObjectArchived,
+    ObjectInfo,
+    ObjectMeta,
+    ObjectMissing,
+    Progress,
+    Tier,
+    TierError,
+)
+
+T = TypeVar("T")
+MIN_PART_SIZE = 5 * 1024 * 1024
+_TRANSIENT_CODES = {
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+    "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
+}
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_ARCHIVE_CLASSES = {"GLACIER", "DEEP_ARCHIVE"}
+
+
+class S3Tier(Tier):
+    def __init__(
+        self, name: str, url: str, *, endpoint_url: str | None = None, region: str | None = None,
+        access_key_id: str | None = None, secret_access_key: str | None = None,
+        part_size: int = 16 * 1024 * 1024, part_concurrency: int = 4, threads: int = 16,
+    ) -> None:
+        super().__init__(name, url)
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        parts = urlsplit(url)
+        self.bucket = parts.netloc
+        prefix = parts.path.strip("/")
+        self.prefix = prefix + "/" if prefix else ""
+        self.storage_class = parse_qs(parts.query).get("storage_class", ["STANDARD"])[-1]
+        self.part_size = max(part_size, MIN_PART_SIZE)
+        self.part_concurrency = part_concurrency
+        self._limiter = trio.CapacityLimiter(threads)
+        self.client: Any = boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            aws_access_key_id=access_key_id,
+            aws_secret_access_key=secret_access_key,
+            config=BotoConfig(
+                max_pool_connections=threads,
+                connect_timeout=5,
+                read_timeout=60,
+                retries={"max_attempts": 2, "mode": "standard"},
+                request_checksum_calculation="when_supported",
+            ),
+        )
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix):]
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            return await trio.to_thread.run_sync(
+                lambda: fn(*args, **kwargs), limiter=self._limiter
+            )
+        except Exception as exc:
+            raise self._translate(exc) from exc
+
+    def _translate(self, exc: Exception) -> Exception:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(exc, ClientError):
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+            message = f"{self.url}: {code or status}: {error.get('Message', '')}".rstrip(": ")
+            if code in _MISSING_CODES or (status == "404" and code != "NoSuchBucket"):
+                return ObjectMissing(message)
+            if code == "InvalidObjectState":
+                return ObjectArchived(message)
+            if code in _TRANSIENT_CODES or status in _TRANSIENT_CODES:
+                return StoreUnavailable(message)
+            return TierError(message)
+        if isinstance(exc, BotoCoreError):
+            # Connection refused/reset, timeouts, truncated reads: the store may come back.
+            return StoreUnavailable(f"{self.url}: {exc}")
+        return exc
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, StoreUnavailable)
+
+    # -- the interface --------------------------------------------------------------------
+
+    async def check(self) -> None:
+        try:
+            await self._call(self.client.head_bucket, Bucket=self.bucket)
+        except ObjectMissing:
+            raise TierError(f"bucket {self.bucket!r} of {self.url} does not exist") from None
+        except TierError as exc:
+            raise TierError(f"store {self.url} refused access (check credentials): {exc}") from None
+        except StoreUnavailable as exc:
+            raise TierError(f"store {self.url} cannot be reached: {exc.__cause__ or exc}") from None
+
+    async def cleanup(self, keys_of_ours: set[str]) -> int:
+        if not keys_of_ours:
+            return 0
+        wanted = {self._key(k) for k in keys_of_ours}
+        aborted = 0
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        pages = await self._call(lambda: list(paginator.paginate(Bucket=self.bucket,
+                                                                 Prefix=self.prefix)))
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                if upload["Key"] in wanted:
+                    await self._call(self.client.abort_multipart_upload, Bucket=self.bucket,
+                                     Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted += 1
+        return aborted
+
+    def _put_args(self, meta: ObjectMeta) -> dict[str, Any]:
+        args: dict[str, Any] = {"Metadata": meta.to_headers()}
+        if self.storage_class != "STANDARD":
+            args["StorageClass"] = self.storage_class
+        return args
+
+    async def put_file(
+        self, key: str, source: Path, size: int, meta: ObjectMeta,
+        progress: Progress | None = None,
+    ) -> None:
+        full = self._key(key)
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if size <= self.part_size:
+                body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
+                if len(body) != size:
+                    raise TierError(f"{source} is shorter than {size} bytes")
+                await self._call(self.client.put_object, Bucket=self.bucket, Key=full,
+                                 Body=body, **self._put_args(meta))
+                if progress:
+                    progress(size)
+            else:
+                await self._multipart(full, fd, size, meta, progress)
+        finally:
+            os.close(fd)
+
+    async def _multipart(
+        self, full: str, fd: int, size: int, meta: ObjectMeta, progress: Progress | None
+    ) -> None:
+        created = await self._call(self.client.create_multipart_upload, Bucket=self.bucket,
+                                   Key=full, **self._put_args(meta))
+        upload_id = created["UploadId"]
+        count = (size + self.part_size - 1) // self.part_size
+        etags: list[str | None] = [None] * count
+        slots = trio.Semaphore(self.part_concurrency)
+
+        def send(number: int) -> str:
+            offset = (number - 1) * self.part_size
+            body = os.pread(fd, min(self.part_size, size - offset), offset)
+            reply = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                            PartNumber=number, Body=body)
+            return str(reply["ETag"])
+
+        async def part(number: int) -> None:
+            async with slots:
+                etags[number - 1] = await self._call(send, number)
+            if progress:
+                progress(min(self.part_size, size - (number - 1) * self.part_size))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for number in range(1, count + 1):
+                    nursery.start_soon(part, number)  # trio's Semaphore is FIFO: parts go in order
+            await self._call(
+                self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"ETag": e, "PartNumber": i + 1}
+                                           for i, e in enumerate(etags)]},
+            )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._call(self.client.abort_multipart_upload, Bucket=self.bucket,
+                                     Key=full, UploadId=upload_id)
+                except Exception:
+                    pass  # cleanup() at the next start aborts it
+            raise
+
+    async def put_entry(self, key: str, meta: ObjectMeta) -> None:
+        if meta.kind is Kind.DIRECTORY:
+            full, body = self._key(key.rstrip("/") + "/"), b""
+        else:
+            full, body = self._key(key), (meta.target or "").encode("utf-8", "surrogateescape")
+        await self._call(self.client.put_object, Bucket=self.bucket, Key=full, Body=body,
+                         Metadata=meta.to_headers())
+
+    async def read_into(self, key: str, offset: int, length: int, fd: int, fd_offset: int) -> int:
+        if length <= 0:
+            return 0
+
+        def fetch() -> int:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                           Range=f"bytes={offset}-{offset + length - 1}")
+            done = 0
+            for chunk in reply["Body"].iter_chunks(1024 * 1024):
+                view = memoryview(chunk)
+                while view:
+                    n = os.pwrite(fd, view, fd_offset + done)
+                    view = view[n:]
+                    done += n
+            return done
+
+        result: int = await self._call(fetch)
+        return result
+
+    async def head(self, key: str) -> ObjectInfo:
+        reply = await self._call(self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+        return self._info(key, reply)
+
+    def _info(self, key: str, reply: dict[str, Any]) -> ObjectInfo:
+        meta = ObjectMeta.from_headers(reply.get("Metadata", {}))
+        if key.endswith("/"):
+            meta = ObjectMeta(Kind.DIRECTORY, meta.mode, meta.mtime_ns, meta.uid, meta.gid)
+        restore = reply.get("Restore")
+        state = None
+        if restore:
+            state = "ongoing" if 'ongoing-request="true"' in restore else "done"
+        return ObjectInfo(key, int(reply.get("ContentLength", 0)), meta,
+                          reply.get("StorageClass", "STANDARD"), state)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = await self._call(lambda: list(paginator.paginate(
+            Bucket=self.bucket, Prefix=self._key(prefix))))
+        found = []
+        for page in pages:
+            for obj in page.get("Contents", []):
+                rel = self._rel(obj["Key"])
+                if not rel:
+                    continue
+                kind = Kind.DIRECTORY if rel.endswith("/") else Kind.FILE
+                found.append(ObjectInfo(rel, int(obj["Size"]), ObjectMeta(kind=kind),
+                                        obj.get("StorageClass", "STANDARD"), meta_known=False))
+        return found
+
+    async def copy(self, src: str, dst: str) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        extra: dict[str, Any] = {}
+        if self.storage_class != "STANDARD":
+            extra["StorageClass"] = self.storage_class
+        config = TransferConfig(multipart_threshold=5 * 1024**3, multipart_chunksize=256 * 1024**2,
+                                max_concurrency=self.part_concurrency, use_threads=True)
+        await self._call(self.client.copy, {"Bucket": self.bucket, "Key": self._key(src)},
+                         self.bucket, self._key(dst), ExtraArgs=extra or None, Config=config)
+
+    async def delete(self, key: str) -> None:
+        await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+
+    async def aclose(self) -> None:
+        self.client.close()

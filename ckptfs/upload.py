@@ -1,0 +1,397 @@
+"""Stage 2: bring the warm tier in line with the journal, in the background.
+
+Every inode whose remote copy is out of date (a file closed, a directory made, anything
+renamed) and every *tombstone* (a remote key whose inode was removed) is a work item. A fixed
+number of workers (``upload_concurrency``), started in the mount's nursery, pull items in
+sequence order and reconcile them:
+
+- a STAGED file is uploaded (state UPLOADING, then COMMITTED with its checksum and key);
+- a COMMITTED file whose key is not its path any more is moved (server-side copy + delete);
+- a directory or symlink is represented on the tier (``put_entry``);
+- a tombstone deletes its key.
+
+Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
+- Items are numbered when queued. A *gated* item starts only when every item with a smaller
+  number has finished: commit markers (``.metadata``, ``latest``, ...), and the deletion of an
+  old directory after a directory rename (its children move first). So a reader of the store
+  that sees a marker finds everything closed before it.
+- Two items never work on the same remote key at once, and a pending deletion of a key is
+  dropped when a newer upload to that key starts (it would overwrite it anyway).
+
+Invariants:
+- The journal is written before the store is touched (state UPLOADING, tombstone rows), and
+  every store operation is idempotent, so replaying the journal after a crash is safe.
+- A file open for writing is never uploaded; opening it for writing cancels its upload.
+- Failures are retried with exponential backoff and jitter, never in a busy loop; the last
+  error of every item is kept for ``status``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import logging
+import math
+import os
+import random
+import stat
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c
+import trio
+
+from ckptfs.errors import NotFound
+from ckptfs.journal import Journal, Row, State
+from ckptfs.namespace import Namespace
+from ckptfs.staging import Staging
+from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
+
+log = logging.getLogger(__name__)
+
+BACKOFF_BASE = 0.5
+BACKOFF_MAX = 300.0
+_HASH_CHUNK = 8 * 1024 * 1024
+
+WorkKey = tuple[str, int]  # ("ino", inode) or ("tomb", tombstone id)
+
+
+@dataclass
+class Work:
+    key: WorkKey
+    seq: int
+    gated: bool = False
+    not_before: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+    target: str | None = None  # the remote key it works on, while in flight
+    cancel: trio.CancelScope | None = None
+    done_bytes: int = 0
+
+
+@dataclass
+class UploadStats:
+    uploaded_files: int = 0
+    uploaded_bytes: int = 0
+    moved: int = 0
+    deleted: int = 0
+    retries: int = 0
+    failures: int = 0
+    recent: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) for rates
+
+
+def file_checksum(path: Path, size: int) -> str:
+    """CRC32C of the first ``size`` bytes of ``path`` (hardware-accelerated), as text."""
+    value = 0
+    with open(path, "rb", buffering=0) as f:
+        left = size
+        while left > 0:
+            chunk = f.read(min(_HASH_CHUNK, left))
+            if not chunk:
+                break
+            value = crc32c.crc32c(chunk, value)
+            left -= len(chunk)
+    return f"crc32c:{value:08x}"
+
+
+def is_marker(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+class Uploader:
+    """The reconciler of the warm tier. Hooks are called by the filesystem core."""
+
+    def __init__(
+        self, journal: Journal, ns: Namespace, staging: Staging, tier: Tier, *,
+        concurrency: int, markers: Iterable[str], clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.journal = journal
+        self.ns = ns
+        self.staging = staging
+        self.tier = tier
+        self.concurrency = concurrency
+        self.markers = tuple(markers)
+        self._clock = clock
+        self._seq = itertools.count(1)
+        self._pending: dict[WorkKey, Work] = {}
+        self._inflight: dict[WorkKey, Work] = {}
+        # Wake-ups: waiters take the current event, check the state, then wait on it; a change
+        # sets it and installs a fresh one. No lock needed: trio switches only at awaits.
+        self._changed = trio.Event()
+        self.stats = UploadStats()
+        self._random = random.Random()
+
+    # -- hooks from the filesystem core (trio thread, never block) -------------------------
+
+    def inode_changed(self, ino: int) -> None:
+        """``ino`` (a file closed, a directory made, a file renamed...) needs reconciling."""
+        self._queue(("ino", ino))
+
+    def tree_moved(self, inos: list[int]) -> None:
+        """A directory moved: reconcile its descendants, then (gated) the old directories."""
+        for ino in inos:
+            self._queue(("ino", ino))
+
+    def tombstone_added(self, tomb_id: int, key: str) -> None:
+        self._queue(("tomb", tomb_id), gated=key.endswith("/"))
+
+    def cancel(self, ino: int) -> None:
+        """The file is being rewritten or removed: stop working on its old version."""
+        work = self._inflight.get(("ino", ino))
+        if work is not None and work.cancel is not None:
+            work.cancel.cancel()
+
+    def _queue(self, key: WorkKey, gated: bool = False) -> None:
+        work = self._pending.get(key)
+        if work is None:
+            self._pending[key] = Work(key, next(self._seq), gated)
+        elif gated:
+            # Re-numbered so that it waits for whatever was queued since.
+            work.seq = next(self._seq)
+            work.gated = True
+        work = self._pending[key]
+        work.not_before = 0.0
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def last_seq(self) -> int:
+        return max([w.seq for w in (*self._pending.values(), *self._inflight.values())],
+                   default=0)
+
+    def outstanding(self, upto_seq: int | None = None) -> list[Work]:
+        return [w for w in (*self._pending.values(), *self._inflight.values())
+                if upto_seq is None or w.seq <= upto_seq]
+
+    def failed(self) -> list[Work]:
+        return [w for w in (*self._pending.values(), *self._inflight.values()) if w.error]
+
+    async def wait_until_done(self, upto_seq: int) -> None:
+        """Return once every item numbered ``upto_seq`` or less has finished."""
+        while self.outstanding(upto_seq):
+            await self._changed.wait()
+
+    # -- start ------------------------------------------------------------------------------
+
+    def requeue_from_journal(self) -> None:
+        """After a restart: everything the journal says is not reconciled yet goes back in."""
+        for row in self.journal.unreconciled():
+            self._queue(("ino", row.ino))
+        for tomb_id, key in self.journal.tombstones():
+            self.tombstone_added(tomb_id, key)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        keys = {os.fsdecode(p) for p in self.journal.paths_in_states(State.STAGED)}
+        try:
+            removed = await self.tier.cleanup(keys)
+            if removed:
+                log.info("removed %d leftover partial uploads from %s", removed, self.tier.url)
+        except Exception as exc:  # the store may be down: uploads will wait for it anyway
+            log.warning("could not clean up leftover uploads on %s: %s", self.tier.url, exc)
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.concurrency):
+                nursery.start_soon(self._worker)
+            task_status.started()
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def _pick(self, now: float) -> tuple[Work | None, float]:
+        """The next eligible item (smallest number first) and when to look again."""
+        busy_targets = {w.target for w in self._inflight.values() if w.target}
+        floor = min([w.seq for w in (*self._pending.values(), *self._inflight.values())],
+                    default=math.inf)
+        wake_at = math.inf
+        for work in sorted(self._pending.values(), key=lambda w: w.seq):
+            if work.key in self._inflight:
+                continue
+            if work.not_before > now:
+                wake_at = min(wake_at, work.not_before)
+                continue
+            target = self._target(work)
+            if target is not None and target in busy_targets:
+                continue
+            marker = work.key[0] == "ino" and target is not None and is_marker(
+                target.rstrip("/").rsplit("/", 1)[-1], self.markers)
+            if (work.gated or marker) and floor < work.seq:
+                continue
+            work.target = target
+            return work, wake_at
+        return None, wake_at
+
+    def _target(self, work: Work) -> str | None:
+        kind, ident = work.key
+        if kind == "tomb":
+            return self.journal.tombstone_key(ident)
+        path = self.journal.path_of(ident)
+        if not path:
+            return None
+        try:
+            row = self.ns.get(ident)
+        except NotFound:
+            return None
+        key = os.fsdecode(path)
+        return key + "/" if stat.S_ISDIR(row.mode) else key
+
+    async def _worker(self) -> None:
+        while True:
+            work = await self._next()
+            try:
+                with trio.CancelScope() as work.cancel:
+                    await self._reconcile(work)
+                    work.error = None
+            except Exception as exc:  # noqa: BLE001 - every failure is retried and reported
+                self._failed(work, exc)
+            finally:
+                work.cancel = None
+                work.target = None
+                del self._inflight[work.key]
+                self._wake()
+
+    async def _next(self) -> Work:
+        while True:
+            changed = self._changed
+            work, wake_at = self._pick(self._clock())
+            if work is not None:
+                # Move it to in-flight before the next checkpoint: no other worker can take it.
+                self._pending.pop(work.key, None)
+                self._inflight[work.key] = work
+                return work
+            with trio.move_on_at(wake_at):
+                await changed.wait()
+
+    def _failed(self, work: Work, exc: Exception) -> None:
+        work.attempts += 1
+        delay = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(work.attempts - 1, 20))
+        delay *= 0.5 + self._random.random()
+        work.error = f"{type(exc).__name__}: {exc}"
+        work.not_before = self._clock() + delay
+        transient = self.tier.is_transient(exc)
+        self.stats.retries += 1
+        if not transient:
+            self.stats.failures += 1
+        log.warning("%s %s failed (attempt %d, retry in %.1fs): %s",
+                    "upload of" if work.key[0] == "ino" else "deletion of",
+                    work.target or work.key, work.attempts, delay, work.error)
+        if work.key not in self._pending:
+            self._pending[work.key] = work
+
+    # -- reconciling one item ---------------------------------------------------------------
+
+    async def _reconcile(self, work: Work) -> None:
+        kind, ident = work.key
+        if kind == "tomb":
+            key = self.journal.tombstone_key(ident)
+            if key is not None:
+                await self.tier.delete(key)
+                self.journal.drop_tombstone(ident)
+                self.stats.deleted += 1
+            return
+        try:
+            row = self.ns.get(ident)
+        except NotFound:
+            return
+        path = self.journal.path_of(ident)
+        if path is None or not path:
+            return  # unlinked (a tombstone covers any remote copy) or the root
+        key = os.fsdecode(path)
+        if stat.S_ISREG(row.mode):
+            if row.state in (State.STAGED, State.UPLOADING) and not row.incomplete:
+                await self._upload(work, row, key)
+            elif row.state is State.COMMITTED and row.remote_key != key:
+                await self._move(row, key)
+        else:
+            await self._put_entry(row, key)
+
+    def _supersede(self, key: str) -> None:
+        """An upload to ``key`` makes pending deletions of ``key`` pointless (and harmful)."""
+        for tomb_id in self.journal.drop_tombstones_for(key):
+            self._pending.pop(("tomb", tomb_id), None)
+
+    async def _upload(self, work: Work, row: Row, key: str) -> None:
+        version = row.version
+        row.state = State.UPLOADING
+        self.ns.persist(row)
+        self._supersede(key)
+        source = self.staging.path(row.ino)
+        size = row.size
+        checksum = await trio.to_thread.run_sync(file_checksum, source, size)
+        meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
+                          checksum)
+
+        def progress(n: int) -> None:
+            work.done_bytes += n
+
+        started = time.monotonic()
+        await self.tier.put_file(key, source, size, meta, progress)
+        self.stats.uploaded_files += 1
+        self.stats.uploaded_bytes += size
+        self.stats.recent.append((time.monotonic(), size))
+        del self.stats.recent[:-256]
+        log.debug("uploaded %s (%d bytes) in %.2fs", key, size, time.monotonic() - started)
+        old_key = row.remote_key
+        try:
+            row = self.ns.get(row.ino)
+        except NotFound:
+            row = None  # type: ignore[assignment]
+        if row is None or self.journal.path_of(row.ino) is None:
+            # Removed while uploading: what we just wrote must not outlive it.
+            await self.tier.delete(key)
+            return
+        row.remote_key = key
+        if row.version == version and row.state is State.UPLOADING:
+            row.state = State.COMMITTED
+            row.checksum = checksum
+            row.tiers = self.tier.name
+            row.committed_at = time.time()
+        self.ns.persist(row)
+        if old_key and old_key != key:
+            await self.tier.delete(old_key)
+        if os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
+            self.inode_changed(row.ino)  # renamed while uploading: move it
+
+    async def _move(self, row: Row, key: str) -> None:
+        old_key = row.remote_key
+        assert old_key is not None
+        self._supersede(key)
+        try:
+            await self.tier.copy(old_key, key)
+        except ObjectMissing:
+            # The remote copy is gone (deleted behind our back): upload it again.
+            row.state = State.STAGED
+            row.remote_key = None
+            self.ns.persist(row)
+            self.inode_changed(row.ino)
+            return
+        row.remote_key = key
+        self.ns.persist(row)
+        await self.tier.delete(old_key)
+        self.stats.moved += 1
+
+    async def _put_entry(self, row: Row, key: str) -> None:
+        is_dir = stat.S_ISDIR(row.mode)
+        target_key = key + "/" if is_dir else key
+        if row.state is State.COMMITTED and row.remote_key == target_key:
+            return
+        self._supersede(target_key)
+        meta = ObjectMeta(
+            Kind.DIRECTORY if is_dir else Kind.SYMLINK,
+            stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
+            target=None if is_dir else os.fsdecode(row.target or b""),
+        )
+        await self.tier.put_entry(target_key, meta)
+        old_key = row.remote_key
+        row.remote_key = target_key
+        row.state = State.COMMITTED
+        row.tiers = self.tier.name
+        row.committed_at = time.time()
+        self.ns.persist(row)
+        if old_key and old_key != target_key:
+            # An old directory goes only after its children moved out: a gated tombstone.
+            tomb_id = self.journal.add_tombstone(old_key)
+            self.tombstone_added(tomb_id, old_key)

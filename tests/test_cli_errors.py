@@ -1,0 +1,478 @@
+"""Every bad input to the real CLI (``python -m ckptfs``) fails with one clear line.
+
+The contract (cli.py): a user error prints exactly one line on stderr, ``ckptfs: error: ...``,
+names the problem (for a config error: the key), exits non-zero, never shows a traceback, and a
+failed mount leaves nothing mounted and no daemon running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mounting import Mount, Mounter, ckptfs, is_mounted
+
+pytestmark = pytest.mark.mount
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def assert_user_error(done: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """One ``ckptfs: error:`` line on stderr naming every needle; returns that line."""
+    context = f"rc={done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert done.returncode != 0, context
+    assert "Traceback" not in done.stdout + done.stderr, context
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, context
+    line = lines[0]
+    assert line.startswith("ckptfs: error: "), context
+    for needle in needles:
+        assert needle in line, f"{needle!r} not named in: {line}"
+    return line
+
+
+def daemons_for(mountpoint: Path) -> list[int]:
+    """Pids of ``ckptfs mount`` processes (CLI or daemon) for ``mountpoint``."""
+    target = os.path.abspath(mountpoint)
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue
+        if "ckptfs" in argv and "mount" in argv and target in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def assert_nothing_left(mountpoint: Path) -> None:
+    """Nothing mounted at ``mountpoint`` and no daemon for it (allowing it a moment to exit)."""
+    assert not is_mounted(mountpoint), f"{mountpoint} is mounted after a failed mount"
+    deadline = time.monotonic() + 5
+    while daemons_for(mountpoint) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemons_for(mountpoint) == [], f"a ckptfs daemon for {mountpoint} is still running"
+
+
+class Tmpfs:
+    """Mounts small tmpfs file systems and unmounts every one of them in teardown."""
+
+    def __init__(self) -> None:
+        self.mounted: list[Path] = []
+
+    def __call__(self, path: Path, options: str = "size=1m") -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+        self.mounted.append(path)
+        return path
+
+    def teardown(self) -> None:
+        for path in reversed(self.mounted):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def tmpfs() -> Iterator[Tmpfs]:
+    t = Tmpfs()
+    try:
+        yield t
+    finally:
+        t.teardown()
+
+
+@pytest.fixture
+def mnt(tmp_path: Path) -> Iterator[Path]:
+    """An empty mountpoint; checked to be left unmounted and daemon-free after the test."""
+    path = tmp_path / "mnt"
+    path.mkdir()
+    yield path
+    try:
+        assert_nothing_left(path)
+    finally:
+        if is_mounted(path):
+            subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+
+
+def mount_args(tmp_path: Path, mountpoint: Path, *extra: str | os.PathLike[str]) -> list[str]:
+    return ["mount", str(mountpoint), "--staging", str(tmp_path / "staging"),
+            "--store", str(tmp_path / "store"), *map(str, extra)]
+
+
+def write_config(tmp_path: Path, text: str, name: str = "ckptfs.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+TIERS_OK = """
+[[tier]]
+name = "hot"
+keep = { last = 3 }
+[[tier]]
+name = "warm"
+url = "file:///var/tmp/ckptfs-never-used"
+"""
+
+
+# -- the mountpoint -----------------------------------------------------------------------
+
+
+def test_mountpoint_missing(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    done = ckptfs(*mount_args(tmp_path, missing), check=False)
+    assert_user_error(done, str(missing), "does not exist")
+    assert not missing.exists()
+    assert_nothing_left(missing)
+    assert not (tmp_path / "staging").exists(), "a failed mountpoint check created the staging"
+
+
+def test_mountpoint_is_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    done = ckptfs(*mount_args(tmp_path, path), check=False)
+    assert_user_error(done, str(path), "not a directory")
+    assert path.read_text() == "x"
+    assert_nothing_left(path)
+
+
+def test_mountpoint_not_empty(tmp_path: Path) -> None:
+    path = tmp_path / "full"
+    path.mkdir()
+    (path / "something").write_text("x")
+    done = ckptfs(*mount_args(tmp_path, path), check=False)
+    assert_user_error(done, str(path), "not empty")
+    assert os.listdir(path) == ["something"]
+    assert_nothing_left(path)
+
+
+def test_mountpoint_already_ckptfs(tmp_path: Path, mounter: Mounter) -> None:
+    m = mounter()
+    (m.path / "keep.bin").write_bytes(b"still here")
+    pid = m.pid
+    done = ckptfs(*mount_args(tmp_path, m.path), check=False)
+    assert_user_error(done, str(m.path), "already mounted", "ckptfs")
+    # The existing mount is untouched and served by the same daemon.
+    assert (m.path / "keep.bin").read_bytes() == b"still here"
+    assert m.pid == pid
+    assert daemons_for(m.path) == [pid]
+    assert not (tmp_path / "staging").exists()
+
+
+def test_mountpoint_already_other_mount(tmp_path: Path, tmpfs: Tmpfs) -> None:
+    path = tmpfs(tmp_path / "tmpfs")
+    done = ckptfs(*mount_args(tmp_path, path), check=False)
+    assert_user_error(done, str(path), "already mounted", "tmpfs")
+    assert is_mounted(path)
+    assert daemons_for(path) == []
+
+
+def test_usage_errors(tmp_path: Path, mnt: Path) -> None:
+    assert_user_error(ckptfs("mount", check=False), "Missing argument")
+    assert_user_error(ckptfs("mount", mnt, "--no-such-flag", check=False), "--no-such-flag")
+    assert_user_error(ckptfs("no-such-command", check=False), "no-such-command")
+    assert_user_error(ckptfs("umount", mnt, "--timeout", "soon", check=False), "--timeout")
+    assert ckptfs("mount", "--help").returncode == 0
+
+
+# -- the staging directory ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["root", "subdir"])
+def test_staging_read_only(tmp_path: Path, mnt: Path, tmpfs: Tmpfs, below: bool) -> None:
+    ro = tmpfs(tmp_path / "ro", "ro,size=1m")
+    staging = ro / "staging" if below else ro
+    done = ckptfs("mount", mnt, "--staging", staging, "--store", tmp_path / "store", check=False)
+    assert_user_error(done, str(staging), "not writable", "Read-only")
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["root", "subdir"])
+def test_staging_full_disk(tmp_path: Path, mnt: Path, tmpfs: Tmpfs, below: bool) -> None:
+    disk = tmpfs(tmp_path / "disk", "size=1m")
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    staging = disk / "staging" if below else disk
+    done = ckptfs("mount", mnt, "--staging", staging, "--store", tmp_path / "store", check=False)
+    assert_user_error(done, str(staging), "full disk")
+
+
+def test_staging_small_disk(tmp_path: Path, mnt: Path, tmpfs: Tmpfs) -> None:
+    """Not full, but below the minimum a mount needs."""
+    disk = tmpfs(tmp_path / "disk", "size=2m")
+    done = ckptfs("mount", mnt, "--staging", disk, "--store", tmp_path / "store", check=False)
+    assert_user_error(done, str(disk), "full disk", "MiB needed")
+
+
+def test_staging_is_a_file(tmp_path: Path, mnt: Path) -> None:
+    staging = tmp_path / "staging-file"
+    staging.write_text("x")
+    done = ckptfs("mount", mnt, "--staging", staging, "--store", tmp_path / "store", check=False)
+    assert_user_error(done, str(staging), "not a directory")
+    done = ckptfs("mount", mnt, "--staging", staging / "sub", "--store", tmp_path / "store",
+                  check=False)
+    assert_user_error(done, str(staging / "sub"), "Not a directory")
+    assert staging.read_text() == "x"
+
+
+def test_staging_in_use(tmp_path: Path, mnt: Path, mounter: Mounter) -> None:
+    m = mounter()
+    (m.path / "a").write_bytes(b"a")
+    before = sorted(os.listdir(m.staging / "data"))
+    done = ckptfs("mount", mnt, "--staging", m.staging, "--store", m.store, check=False)
+    assert_user_error(done, str(m.staging), "in use")
+    # The owner's staging directory is left alone and its mount keeps working.
+    assert sorted(os.listdir(m.staging / "data")) == before
+    assert (m.path / "a").read_bytes() == b"a"
+
+
+# -- the config file ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("bogus_key = 1\n", "bogus_key"),
+        ("[retention]\nlast = 3\n", "retention"),
+        (TIERS_OK + "bogus_tier_key = 1\n", "tier.1.bogus_tier_key"),
+        (TIERS_OK.replace("{ last = 3 }", "{ last = 3, lats = 4 }"), "tier.0.keep.lats"),
+    ],
+    ids=["top-level", "table", "tier", "keep"],
+)
+def test_config_unknown_key(tmp_path: Path, mnt: Path, text: str, key: str) -> None:
+    config = write_config(tmp_path, text)
+    done = ckptfs(*mount_args(tmp_path, mnt, "--config", config), check=False)
+    assert_user_error(done, str(config), key, "unknown key")
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "also"),
+    [
+        ('upload_concurrency = "many"\n', "upload_concurrency", "'many'"),
+        ("upload_concurrency = 0\n", "upload_concurrency", "greater than or equal to 1"),
+        ('fsync = "sometimes"\n', "fsync", "'sometimes'"),
+        ('allow_other = [1]\n', "allow_other", "bool"),
+        ('write_stall_timeout = "forever"\n', "write_stall_timeout", "'forever'"),
+        ('staging_dir = "relative/dir"\n', "staging_dir", "absolute"),
+        ("tier = 3\n", "tier", "tuple"),
+        ('step_regex = "("\n', "step_regex", "regular expression"),
+        (TIERS_OK.replace("last = 3", 'last = "three"'), "tier.0.keep.last", "'three'"),
+        (TIERS_OK.replace("last = 3", "milestones = [2.0]"), "tier.0.keep.milestones", "2.0"),
+    ],
+    ids=["int", "range", "literal", "bool", "duration", "path", "tier-list", "regex",
+         "keep-last", "milestone"],
+)
+def test_config_bad_value(tmp_path: Path, mnt: Path, text: str, key: str, also: str) -> None:
+    if key != "staging_dir":
+        text = f'staging_dir = "{tmp_path / "staging"}"\n' + text
+    config = write_config(tmp_path, text)
+    # No --staging: it would replace staging_dir from the file.
+    done = ckptfs("mount", mnt, "--config", config, "--store", tmp_path / "store", check=False)
+    line = assert_user_error(done, str(config), key + ":", also)
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://x", "s3://", "file://relative", "s3://bucket/p?storage_class=FROZEN",
+     "s3://bucket/p?region=x", "memory://", "/plain/path"],
+)
+def test_config_bad_tier_url(tmp_path: Path, mnt: Path, url: str) -> None:
+    config = write_config(tmp_path, TIERS_OK.replace("file:///var/tmp/ckptfs-never-used", url))
+    # No --store here: it would replace the URL under test.
+    done = ckptfs("mount", mnt, "--config", config, "--staging", tmp_path / "staging",
+                  check=False)
+    assert_user_error(done, str(config), "tier.1.url", url)
+
+
+def test_config_tier_structure(tmp_path: Path, mnt: Path) -> None:
+    cases = {
+        '[[tier]]\nname = "warm"\nurl = "file:///x"\n[[tier]]\nname = "x"\nurl = "file:///y"\n':
+            "first tier must be 'hot'",
+        '[[tier]]\nname = "hot"\n': "at least one tier besides 'hot'",
+        TIERS_OK + '[[tier]]\nname = "warm"\nurl = "file:///z"\n': "unique",
+        TIERS_OK + '[[tier]]\nname = "cold"\n': "tier 'cold' needs a url",
+        TIERS_OK.replace('"warm"', '"no spaces allowed"'): "tier.1.name",
+    }
+    for text, needle in cases.items():
+        config = write_config(tmp_path, text)
+        done = ckptfs("mount", mnt, "--config", config, "--staging", tmp_path / "staging",
+                      check=False)
+        assert_user_error(done, str(config), needle)
+
+
+def test_config_missing(tmp_path: Path, mnt: Path) -> None:
+    config = tmp_path / "nope.toml"
+    done = ckptfs(*mount_args(tmp_path, mnt, "--config", config), check=False)
+    assert_user_error(done, str(config), "does not exist")
+    done = ckptfs(*mount_args(tmp_path, mnt, "--config", tmp_path), check=False)
+    assert_user_error(done, str(tmp_path), "is a directory")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"staging_dir = \n", b"[[tier]\nname = 'hot'\n", b"a = 1\na = 2\n", b"\xff\xfe = 1\n"],
+    ids=["no-value", "bracket", "duplicate", "not-utf8"],
+)
+def test_config_invalid_toml(tmp_path: Path, mnt: Path, content: bytes) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_bytes(content)
+    done = ckptfs(*mount_args(tmp_path, mnt, "--config", config), check=False)
+    assert_user_error(done, str(config), "not valid TOML")
+
+
+def test_config_from_env_bad(tmp_path: Path, mnt: Path) -> None:
+    config = write_config(tmp_path, "bogus_key = 1\n", "env.toml")
+    env = {**os.environ, "CKPTFS_CONFIG": str(config)}
+    done = ckptfs(*mount_args(tmp_path, mnt), check=False, env=env)
+    assert_user_error(done, str(config), "bogus_key", "unknown key")
+    env["CKPTFS_CONFIG"] = str(tmp_path / "missing.toml")
+    done = ckptfs(*mount_args(tmp_path, mnt), check=False, env=env)
+    assert_user_error(done, str(tmp_path / "missing.toml"), "does not exist")
+
+
+def test_config_with_store_flag_bad_tiers(tmp_path: Path, mnt: Path) -> None:
+    """--store patches the warm tier; a malformed tier list must still be a clean error."""
+    for text, needle in [
+        ("tier = [1, 2]\n", "tier.0"),
+        ('[tier]\nname = "hot"\n', "tier"),
+        ("tier = 3\n", "tier"),
+        ('[[tier]]\nname = "hot"\n', "warm tier"),
+    ]:
+        config = write_config(tmp_path, text)
+        done = ckptfs(*mount_args(tmp_path, mnt, "--config", config), check=False)
+        assert_user_error(done, needle)
+
+
+def test_cli_flag_bad_value(tmp_path: Path, mnt: Path) -> None:
+    done = ckptfs(*mount_args(tmp_path, mnt, "--log-level", "loud"), check=False)
+    assert_user_error(done, "--log-level", "'loud'")
+
+
+# -- --store ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [("ftp://x", "scheme"), ("s3://", "bucket"), ("file://relative", "absolute path"),
+     ("s3://Bad_Bucket/x", "bucket"), ("", "empty")],
+)
+def test_store_bad_url(tmp_path: Path, mnt: Path, url: str, needle: str) -> None:
+    done = ckptfs("mount", mnt, "--staging", tmp_path / "staging", "--store", url, check=False)
+    line = assert_user_error(done, "--store", needle)
+    if url:
+        assert url in line
+    assert not (tmp_path / "staging").exists()
+
+
+# -- umount -------------------------------------------------------------------------------
+
+
+def test_umount_not_mounted(tmp_path: Path) -> None:
+    path = tmp_path / "plain"
+    path.mkdir()
+    assert_user_error(ckptfs("umount", path, check=False), str(path), "not mounted")
+
+
+def test_umount_nonexistent(tmp_path: Path) -> None:
+    path = tmp_path / "nope"
+    assert_user_error(ckptfs("umount", path, check=False), str(path), "does not exist")
+
+
+def test_umount_other_fs(tmp_path: Path, tmpfs: Tmpfs) -> None:
+    path = tmpfs(tmp_path / "tmpfs")
+    (path / "x").write_text("x")
+    assert_user_error(ckptfs("umount", path, check=False), str(path), "not a ckptfs mount",
+                      "tmpfs")
+    assert is_mounted(path)
+    assert (path / "x").read_text() == "x"
+
+
+# -- config that works --------------------------------------------------------------------
+
+
+def _daemon(path: Path) -> dict[str, object]:
+    info = json.loads(os.getxattr(path, "user.ckptfs.daemon"))
+    assert isinstance(info, dict)
+    return info
+
+
+def _config(staging: Path, store: Path) -> str:
+    return (
+        f'staging_dir = "{staging}"\n'
+        'log_level = "debug"\n'
+        "upload_concurrency = 2\n"
+        '[[tier]]\nname = "hot"\nkeep = { last = 2 }\n'
+        f'[[tier]]\nname = "warm"\nurl = "{store.as_uri()}"\nkeep = {{ last = 5 }}\n'
+    )
+
+
+def _mount_raw(mounter: Mounter, path: Path, *args: str | os.PathLike[str],
+               env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+    """``ckptfs mount`` with exactly these args; registered with ``mounter`` for teardown."""
+    mounter.mounts.append(Mount(path, Path("/nonexistent"), Path("/nonexistent")))
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptfs", "mount", str(path), *map(str, args)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and done.stdout == ""
+    assert is_mounted(path)
+
+
+def test_config_file_is_used(tmp_path: Path, mnt: Path, mounter: Mounter) -> None:
+    staging = tmp_path / "from-config"
+    store = tmp_path / "store-from-config"
+    config = write_config(tmp_path, _config(staging, store))
+    _mount_raw(mounter, mnt, "--config", config)
+    assert _daemon(mnt)["staging_dir"] == str(staging)
+    (mnt / "f").write_bytes(b"data")
+    assert (staging / "journal.db").exists()
+    log = (staging / "daemon.log").read_text()
+    assert store.as_uri() in log
+    assert " DEBUG " in log, "log_level from the config file was not applied"
+    ckptfs("umount", mnt)
+    assert_nothing_left(mnt)
+
+
+def test_cli_flags_override_config(tmp_path: Path, mnt: Path, mounter: Mounter) -> None:
+    config = write_config(tmp_path, _config(tmp_path / "from-config", tmp_path / "cstore"))
+    staging = tmp_path / "from-flag"
+    store = tmp_path / "store-from-flag"
+    _mount_raw(mounter, mnt, "--config", config, "--staging", staging, "--store", store,
+               "--log-level", "warning")
+    assert _daemon(mnt)["staging_dir"] == str(staging)
+    assert not (tmp_path / "from-config").exists()
+    log = (staging / "daemon.log").read_text()
+    assert " INFO " not in log and " DEBUG " not in log, log
+    ckptfs("umount", mnt)
+    assert_nothing_left(mnt)
+
+
+def test_env_config_and_relative_paths(tmp_path: Path, mnt: Path, mounter: Mounter) -> None:
+    """$CKPTFS_CONFIG is used; relative paths mean the caller's cwd, not the daemon's."""
+    work = tmp_path / "work"
+    work.mkdir()
+    staging = tmp_path / "env-staging"
+    write_config(work, _config(staging, tmp_path / "env-store"), "rel.toml")
+    env = {**os.environ, "CKPTFS_CONFIG": "rel.toml"}
+    _mount_raw(mounter, mnt, "--store", "relstore", env=env, cwd=work)
+    assert _daemon(mnt)["staging_dir"] == str(staging)
+    log = (staging / "daemon.log").read_text()
+    assert (work / "relstore").as_uri() in log, log
+    ckptfs("umount", mnt)
+    assert_nothing_left(mnt)
