@@ -110,6 +110,17 @@ def machine_busy_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def wait_for_quiet(max_wait: float, threshold: float = 0.3, window: float = 0.5) -> float:
+    """Wait (up to max_wait s) until the machine is nearly idle; returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_wait:
+        b0 = machine_busy_s()
+        time.sleep(window)
+        if (machine_busy_s() - b0) / window < threshold:
+            break
+    return time.monotonic() - t0
+
+
 @dataclass
 class Target:
     name: str
@@ -266,6 +277,7 @@ class Run:
     writer_cpu_user_s: float = 0.0
     writer_cpu_sys_s: float = 0.0
     other_cpu_s: float = 0.0
+    waited_for_quiet_s: float = 0.0
     nullfs_ops: dict[str, int] = field(default_factory=dict)
     nullfs_write_sizes: dict[str, int] = field(default_factory=dict)
 
@@ -290,6 +302,7 @@ def drop_caches() -> bool:
 def one_run(target: Target, workload: str, rep: int, args: argparse.Namespace,
             buf: memoryview, sd: dict[str, Any] | None) -> Run:
     path = target.dir / f"bench-{workload}-{rep}.bin"
+    waited = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 and rep >= 0 else 0.0
     before_stats = target.stats() if target.stats else None
     before_cpu = process_cpu(target.daemon_pid) if target.daemon_pid else None
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -320,6 +333,7 @@ def one_run(target: Target, workload: str, rep: int, args: argparse.Namespace,
             + (run.daemon_cpu_sys_s or 0))
     # CPU the rest of the machine used meanwhile (other sessions, kworkers): a noise gauge.
     run.other_cpu_s = max(0.0, (busy1 - busy0) - ours)
+    run.waited_for_quiet_s = waited
     if before_stats and after_stats:
         run.nullfs_ops = diff_counter(after_stats["ops"], before_stats["ops"])
         run.nullfs_write_sizes = diff_counter(after_stats["write_sizes"],
@@ -554,10 +568,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "write_path.json, with --quick write_path.quick.json)")
     ap.add_argument("--drop-caches", action="store_true",
                     help="echo 3 > /proc/sys/vm/drop_caches after each run (machine-wide!)")
+    ap.add_argument("--quiet-wait", type=float, metavar="S",
+                    help="before each run, wait up to S seconds for the machine to be idle "
+                    "(< 0.3 CPUs busy); default 15, quick 0")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
     args.seq_bytes = (args.seq_size or (256 if args.quick else 2048)) * MiB
     args.torch_bytes = (args.torch_size or (128 if args.quick else 1024)) * MiB
+    if args.quiet_wait is None:
+        args.quiet_wait = 0.0 if args.quick else 15.0
     args.configs = [c for c in args.configs.split(",") if c]
     args.workloads = [w for w in args.workloads.split(",") if w]
     for c in args.configs:

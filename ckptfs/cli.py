@@ -17,22 +17,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
 try:  # typer >= 0.20 vendors click; older versions use click itself
-    from typer._click.exceptions import (  # type: ignore[import-not-found,unused-ignore]
-        ClickException as _ClickException,
-        NoArgsIsHelpError as _NoArgsIsHelpError,
-        UsageError as _UsageError,
-    )
+    from typer._click import exceptions as _click_exc  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # pragma: no cover
-    from click.exceptions import (  # type: ignore[assignment,unused-ignore]
-        ClickException as _ClickException,
-        NoArgsIsHelpError as _NoArgsIsHelpError,
-        UsageError as _UsageError,
-    )
+    from click import exceptions as _click_exc  # type: ignore[no-redef,unused-ignore]
 
 from ckptfs.config import Config, config_path, load_config, store_url
 from ckptfs.errors import UserError
@@ -47,7 +39,7 @@ app = typer.Typer(
 )
 
 ConfigOpt = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option("--config", "-c", help="TOML config file (default: $CKPTFS_CONFIG, or none).",
                  show_default=False),
 ]
@@ -71,19 +63,19 @@ def _abs(path: Path | None) -> Path | None:
 def mount(
     mountpoint: Annotated[Path, typer.Argument(help="Where to mount, e.g. /ckpt.")],
     config_file: ConfigOpt = None,
-    staging: Annotated[Optional[Path], typer.Option(
+    staging: Annotated[Path | None, typer.Option(
         help="Staging directory on local NVMe.", show_default=False)] = None,
-    store: Annotated[Optional[str], typer.Option(
+    store: Annotated[str | None, typer.Option(
         help="Warm tier: a directory, file:///dir or s3://bucket/prefix.",
         show_default=False)] = None,
-    allow_other: Annotated[Optional[bool], typer.Option(
+    allow_other: Annotated[bool | None, typer.Option(
         "--allow-other/--no-allow-other", help="Let other users use the mount.",
         show_default=False)] = None,
-    log_level: Annotated[Optional[str], typer.Option(
+    log_level: Annotated[str | None, typer.Option(
         help="debug, info, warning or error.", show_default=False)] = None,
     foreground: Annotated[bool, typer.Option(
         "--foreground", "-f", help="Serve in this process (systemd, debugging).")] = False,
-    ready_fd: Annotated[Optional[int], typer.Option(hidden=True)] = None,
+    ready_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
 ) -> None:
     """Mount ckptfs at MOUNTPOINT; returns once the mount is ready."""
     # Relative paths are resolved here: the background daemon runs in "/".
@@ -207,7 +199,7 @@ def umount(
         raise UserError(f"{mountpoint} is not a ckptfs mount (it is {entry.fstype})")
     info = daemon_info(Path(entry.mountpoint))
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [entry.mountpoint]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
         if "busy" in reason.lower():
@@ -267,15 +259,15 @@ def main() -> None:
         code = app(prog_name="ckptfs", standalone_mode=False)
     except UserError as exc:
         _fail(str(exc), exc.exit_code)
-    except _NoArgsIsHelpError as exc:
+    except _click_exc.NoArgsIsHelpError as exc:
         print(exc.format_message(), file=sys.stderr)
         sys.exit(exc.exit_code)
-    except _UsageError as exc:
+    except _click_exc.UsageError as exc:
         hint = ""
         if exc.ctx is not None:
             hint = f" (see '{exc.ctx.command_path} --help')"
         _fail(exc.format_message() + hint, exc.exit_code)
-    except _ClickException as exc:
+    except _click_exc.ClickException as exc:
         _fail(exc.format_message(), exc.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         sys.exit(130)

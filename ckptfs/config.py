@@ -52,8 +52,9 @@ def parse_duration(value: Any) -> timedelta:
     """'90s', '15m', '24h', '7d', '8w' or a number of seconds."""
     if isinstance(value, timedelta):
         return value
+    # ValueError, not TypeError: pydantic turns only ValueError into a validation error.
     if isinstance(value, bool):
-        raise ValueError("expected a duration such as '30s', '24h', '7d' or '8w'")
+        raise ValueError("expected a duration such as '30s', '24h', '7d' or '8w'")  # noqa: TRY004
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError("a duration cannot be negative")

@@ -136,7 +136,7 @@ class ControlServer:
                 total = remaining
             outstanding = self.uploader.outstanding(upto)
             if path is None:
-                done = not outstanding
+                done = not outstanding and not pending
             else:
                 done = not pending
             errors = [w.error for w in outstanding if w.error]

@@ -330,7 +330,12 @@ class Filesystem:
         for row in (moved, replaced) if exchange else (moved,):
             if row is None:
                 continue
-            if stat.S_ISDIR(row.mode):
+            if exchange and stat.S_ISREG(row.mode) and row.state is State.COMMITTED:
+                # Two remote copies trading places cannot be moved one after the other:
+                # upload both again from their local copies.
+                self._mark_staged(row)
+                self.ns.persist(row)
+            elif stat.S_ISDIR(row.mode):
                 self.listener.tree_moved(self.journal.descendants(row.ino) + [row.ino])
             else:
                 self.listener.inode_changed(row.ino)

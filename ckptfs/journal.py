@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -257,6 +258,18 @@ class Journal:
                 return None
             parts.append(r_name)
         return None
+
+    def ino_at(self, key: str) -> int | None:
+        """The live inode at the relative path ``key`` (a trailing "/" is ignored), if any."""
+        ino = ROOT_INODE
+        for part in os.fsencode(key.rstrip("/")).split(b"/"):
+            found = self._db.execute(
+                "SELECT ino FROM inodes WHERE parent = ? AND name = ?", (ino, part)
+            ).fetchone()
+            if found is None:
+                return None
+            ino = found[0]
+        return ino
 
     def descendants(self, ino: int) -> list[int]:
         """Every inode below directory ``ino``, deepest last."""

@@ -1,20 +1,25 @@
 """What the kernel says is mounted where (/proc/self/mountinfo), and mountpoint checks.
 
 Invariants: read-only; never touches a path below a mountpoint that might hang (a dead FUSE
-mount answers ENOTCONN, a hung one blocks), except ``check_mountpoint`` which lists the
-directory only after the mount table says nothing is mounted there.
+mount answers ENOTCONN, a hung one blocks) from the calling thread: ``check_mountpoint`` lists
+the directory only after the mount table says nothing is mounted there, and ``probe`` asks a
+mountpoint from a thread it abandons if the call hangs.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptfs.errors import UserError
 
 FSTYPE = "fuse.ckptfs"
+# What a FUSE mount whose daemon died answers (ECONNABORTED: requests caught in the abort).
+_DEAD = (errno.ENOTCONN, errno.ECONNABORTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +66,36 @@ def find(path: str | Path) -> MountEntry | None:
     return found
 
 
+def probe(path: str | Path, timeout: float = 2.0) -> int:
+    """0 if ``statvfs(path)`` works, else its errno; ETIMEDOUT if it hangs (a hung FUSE daemon).
+
+    statvfs, not stat: the kernel answers stat from cached attributes even when the daemon
+    is gone, while statfs always asks the daemon.
+    """
+    result: list[int] = []
+
+    def run() -> None:
+        try:
+            os.statvfs(path)
+            result.append(0)
+        except OSError as exc:
+            result.append(exc.errno or errno.EIO)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return result[0] if result else errno.ETIMEDOUT
+
+
 def check_mountpoint(path: Path) -> Path:
     """The mountpoint as an absolute path, or a UserError saying why it cannot be used."""
     entry = find(path)
     if entry is not None:
+        if entry.fstype == FSTYPE and probe(entry.mountpoint) in _DEAD:
+            raise UserError(
+                f"mountpoint {path} is a stale ckptfs mount (its daemon is gone); "
+                f"run 'ckptfs umount {path}' first"
+            )
         kind = "a ckptfs mount" if entry.fstype == FSTYPE else f"a {entry.fstype} mount"
         raise UserError(f"mountpoint {path} is already mounted ({kind})")
     if not os.path.lexists(path):

@@ -177,6 +177,11 @@ class Uploader:
         while self.outstanding(upto_seq):
             await self._changed.wait()
 
+    async def wait_idle(self) -> None:
+        """Return once nothing at all is left to do (items queued meanwhile included)."""
+        while self.outstanding():
+            await self._changed.wait()
+
     # -- start ------------------------------------------------------------------------------
 
     def requeue_from_journal(self) -> None:
@@ -351,7 +356,7 @@ class Uploader:
             row.committed_at = time.time()
         self.ns.persist(row)
         if old_key and old_key != key:
-            await self.tier.delete(old_key)
+            await self._delete_unless_live(old_key)
         if os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
             self.inode_changed(row.ino)  # renamed while uploading: move it
 
@@ -360,18 +365,27 @@ class Uploader:
         assert old_key is not None
         self._supersede(key)
         try:
+            # Only move what is ours: another file may have been written at the old key since
+            # (a rename over it, an exchange), or it was deleted behind our back.
+            info = await self.tier.head(old_key)
+            if info.meta.checksum != row.checksum:
+                raise ObjectMissing(old_key)
             await self.tier.copy(old_key, key)
         except ObjectMissing:
-            # The remote copy is gone (deleted behind our back): upload it again.
-            row.state = State.STAGED
+            row.state = State.STAGED  # upload it again from the local copy
             row.remote_key = None
             self.ns.persist(row)
             self.inode_changed(row.ino)
             return
         row.remote_key = key
         self.ns.persist(row)
-        await self.tier.delete(old_key)
+        await self._delete_unless_live(old_key)
         self.stats.moved += 1
+
+    async def _delete_unless_live(self, key: str) -> None:
+        """Delete an old copy, unless another file now lives at that path (it rewrites it)."""
+        if self.journal.ino_at(key) is None:
+            await self.tier.delete(key)
 
     async def _put_entry(self, row: Row, key: str) -> None:
         is_dir = stat.S_ISDIR(row.mode)

@@ -125,12 +125,14 @@ class Writer:
                     self.error = int(value)
                 self._cond.notify_all()
 
-    def wait_for(self, predicate: object, timeout: float = 30) -> None:
-        assert callable(predicate)
+    def wait_for(self, written: int, synced: int = 0, timeout: float = 30) -> None:
+        """Until the fsynced file is done and the stream has ``written``/``synced`` bytes."""
+        def reached() -> bool:
+            return self.fsynced_ok and self.written >= written and self.synced >= synced
+
         with self._cond:
-            ok = self._cond.wait_for(lambda: predicate() or self.proc.poll() is not None,
-                                     timeout)
-        assert ok and self.proc.poll() is None, (
+            ok = self._cond.wait_for(lambda: reached() or self.proc.poll() is not None, timeout)
+        assert ok and reached() and self.proc.poll() is None, (
             f"writer stopped or stalled (rc={self.proc.poll()}, written={self.written}, "
             f"error={self.error})"
         )
@@ -255,7 +257,9 @@ def write_closed_files(root: Path, exp: Expected, rnd: int, rng: random.Random,
 
 def check_tree(m: Mount, exp: Expected) -> None:
     root = m.path
-    seen_files, seen_dirs, seen_links = set(), set(), set()
+    seen_files: set[str] = set()
+    seen_dirs: set[str] = set()
+    seen_links: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
@@ -315,7 +319,7 @@ def wait_dead(pid: int, timeout: float = 30) -> None:
 # kill timing per round: where the daemon dies relative to the other activity.
 ROUNDS = [
     # (name, writer started before the closed files?, bytes the stream must reach, delay)
-    ("right-after-last-close", True, CHUNK, 0.0),
+    ("right-after-the-last-operation", True, CHUNK, 0.0),
     ("deep-in-a-big-write", False, 24 * MiB, 0.0),
     ("after-a-pause", True, 2 * MiB, 0.3),
 ]
@@ -334,12 +338,12 @@ def test_sigkill_while_writing(mounter: Mounter, writers: list[Writer]) -> None:
         if writer_first:
             w = Writer(m.path / inflight, seed=rnd, sync_at=sync_at)
             writers.append(w)
-            w.wait_for(lambda: w.fsynced_ok and w.written > 0)
+            w.wait_for(written=1)
         write_closed_files(m.path, exp, rnd, rng, big=rnd == 1)
         if w is None:
             w = Writer(m.path / inflight, seed=rnd, sync_at=sync_at)
             writers.append(w)
-        w.wait_for(lambda: w.fsynced_ok and w.written >= reach and w.synced >= min(sync_at, 0))
+        w.wait_for(written=reach, synced=max(sync_at, 0))
         time.sleep(delay)
         written_before_kill = w.written
         assert w.proc.poll() is None, "the writer must still be writing at the kill"
@@ -388,23 +392,61 @@ def test_fsync_then_kill(mounter: Mounter) -> None:
     assert (m.path / "open.bin").read_bytes() == data
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="BUG (fs.py): a file is marked closed (STAGED) only at FUSE RELEASE, which the "
+    "kernel sends asynchronously after close() returns; a daemon killed in between reports "
+    "a properly closed file as incomplete (it is then never uploaded)",
+)
+def test_kill_right_after_close(mounter: Mounter) -> None:
+    """close() returned, then the daemon died before any other request: the file is closed."""
+    m = mounter("close")
+    data = random.Random(11).randbytes(MiB + 5)
+    states = []
+    for i in range(3):
+        pid = m.pid
+        fd = os.open(m.path / f"f{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, data)
+        os.close(fd)
+        os.kill(pid, signal.SIGKILL)  # nothing else goes through FUSE in between
+        wait_dead(pid)
+        subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=True)
+        m.remount()
+        assert (m.path / f"f{i}.bin").read_bytes() == data
+        states.append(m.state(f"f{i}.bin"))
+    assert "incomplete" not in states, states
+
+
 def test_sigterm_unmounts_cleanly(mounter: Mounter) -> None:
     m = mounter("term")
     rng = random.Random(3)
     exp = Expected()
     write_closed_files(m.path, exp, 0, rng, big=False)
-    exp.record_dir(m.path, "step_000")
-    pid = m.pid
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while is_mounted(m.path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not is_mounted(m.path), "SIGTERM did not unmount"
-    wait_dead(pid)
+    # A writer still has a file open: SIGTERM must unmount anyway, and keep its bytes.
+    (m.path / "busy").mkdir()
+    exp.record_dir(m.path, "busy")
+    busy = rng.randbytes(3 * MiB + 3)
+    fd = os.open(m.path / "busy" / "open.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, busy)
+        pid = m.pid
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while is_mounted(m.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not is_mounted(m.path), "SIGTERM did not unmount"
+        wait_dead(pid)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # ENOTCONN: the mount is gone
     assert os.listdir(m.path) == []
     assert "received SIGTERM" in (m.staging / "daemon.log").read_text()
     m.remount()
     assert m.pid != pid
+    exp.incomplete["busy/open.bin"] = (busy, busy)
     check_tree(m, exp)
 
 
@@ -418,7 +460,7 @@ def test_umount_stale_mount(mounter: Mounter) -> None:
     assert is_mounted(m.path)
     with pytest.raises(OSError) as info:
         os.stat(m.path / "d")
-    assert info.value.errno == errno.ENOTCONN
+    assert info.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
 
     # Mounting over it says what is wrong and what to do.
     done = ckptfs("mount", m.path, "--staging", m.staging, "--store", m.store, check=False)

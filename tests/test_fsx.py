@@ -10,8 +10,9 @@ Operations: open/create (O_CREAT, O_EXCL, O_TRUNC, O_APPEND, read-only/write-onl
 close, pwrite at random offsets (holes, beyond EOF, rarely past 4 GiB), sequential write, pread,
 read, ftruncate, truncate, fsync/fdatasync, fstat, lseek, unlink, mkdir, rmdir, rename
 (plain, RENAME_NOREPLACE, RENAME_EXCHANGE via renameat2), symlink, readlink, chmod, utime, stat,
-listdir, and now and then a drop of the kernel's dentry/inode caches so that lookups and
-forgets reach the daemon again.
+listdir, mmap reads and writes, user xattrs (set with CREATE/REPLACE, get, remove, list), and
+now and then a drop of the kernel's dentry/inode caches so that lookups and forgets reach the
+daemon again.
 
 Data lives in two windows so that big sparse files stay cheap to compare: [0, LOW_END) and
 [HIGH_START, HIGH_END), the latter straddling 2**32. Every write and every truncate lands in
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import mmap
 import os
 import random
 import stat
@@ -179,14 +181,41 @@ class Side:
                 return _stat_summary(os.lstat(self.p(args[0])))
             case "listdir":
                 return sorted(os.listdir(self.p(args[0])))
+            case "mmap_read":
+                _, offset, length = args
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY
+                with mmap.mmap(fd, offset + length - start, offset=start,
+                               access=mmap.ACCESS_READ) as mapped:
+                    return _short_hash(mapped[offset - start:])
+            case "mmap_write":
+                _, offset, length, seed = args
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY
+                with mmap.mmap(fd, offset + length - start, offset=start,
+                               access=mmap.ACCESS_WRITE) as mapped:
+                    mapped[offset - start:] = payload(seed, length)
+                    mapped.flush()
+                return None
+            case "setxattr":
+                rel, name, length, seed, flags = args
+                os.setxattr(self.p(rel), name, payload(seed, length), flags)
+                return None
+            case "getxattr":
+                return os.getxattr(self.p(args[0]), args[1])
+            case "removexattr":
+                os.removexattr(self.p(args[0]), args[1])
+                return None
+            case "listxattr":
+                return sorted(n for n in os.listxattr(self.p(args[0])) if n.startswith("user."))
             case "drop_caches":
                 return None
         raise AssertionError(f"unknown operation {op!r}")
 
 
 _FD_OPS = frozenset(
-    {"close", "pwrite", "write", "pread", "read", "ftruncate", "fsync", "fstat", "lseek"}
+    {"close", "pwrite", "write", "pread", "read", "ftruncate", "fsync", "fstat", "lseek",
+     "mmap_read", "mmap_write"}
 )
+XATTR_NAMES = ("user.k0", "user.k1", "user.checkpoint")
 
 
 def _short_hash(data: bytes) -> tuple[int, str]:
@@ -241,9 +270,15 @@ def _digest(path: str, size: int) -> str:
     return h.hexdigest()
 
 
+def _xattrs(path: str) -> tuple[tuple[str, bytes], ...]:
+    return tuple(sorted((n, os.getxattr(path, n, follow_symlinks=False))
+                        for n in os.listxattr(path, follow_symlinks=False)
+                        if n.startswith("user.")))
+
+
 def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
-    """Every entry under ``root``: (type, mode) for directories, with the target for symlinks,
-    with size and a hash of the contents for regular files."""
+    """Every entry under ``root``: (type, mode, user xattrs) for directories, the target for
+    symlinks, and for regular files also the size and a hash of the contents."""
     out: dict[str, tuple[Any, ...]] = {}
     todo = [""]
     while todo:
@@ -254,13 +289,13 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
             rel = os.path.join(rel_dir, entry.name) if rel_dir else entry.name
             st = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
-                out[rel] = ("d", stat.S_IMODE(st.st_mode))
+                out[rel] = ("d", stat.S_IMODE(st.st_mode), _xattrs(entry.path))
                 todo.append(rel)
             elif stat.S_ISLNK(st.st_mode):
                 out[rel] = ("l", os.readlink(entry.path), st.st_size)
             elif stat.S_ISREG(st.st_mode):
                 out[rel] = ("f", stat.S_IMODE(st.st_mode), st.st_size,
-                            _digest(entry.path, st.st_size))
+                            _digest(entry.path, st.st_size), _xattrs(entry.path))
             else:
                 out[rel] = ("?", st.st_mode)
     return out
@@ -286,7 +321,8 @@ class Generator:
             "open": 14, "close": 5, "pwrite": 20, "write": 6, "pread": 7, "read": 3,
             "ftruncate": 5, "truncate": 4, "fsync": 2, "fstat": 2, "lseek": 3,
             "unlink": 5, "mkdir": 5, "rmdir": 4, "rename": 9, "symlink": 3, "readlink": 2,
-            "chmod": 2, "utime": 2, "stat": 2, "listdir": 2,
+            "chmod": 2, "utime": 2, "stat": 2, "listdir": 2, "mmap_read": 2, "mmap_write": 2,
+            "setxattr": 2, "getxattr": 1, "removexattr": 1, "listxattr": 1,
         }
 
     def next(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op:
@@ -527,6 +563,44 @@ class Generator:
         else:
             target = "x/" * rng.randint(1, 600)  # long targets
         return ("symlink", target, link)
+
+    def _mapped_range(self, ref: Side) -> tuple[int, int, int] | None:
+        """(slot, offset, length) of a range inside a regular file's current size: touching
+        a mapping past EOF is SIGBUS, not an errno."""
+        slot = self._slot(ref)
+        if slot is None:
+            return None
+        size = os.fstat(ref.fds[slot]).st_size
+        if size == 0:
+            return None
+        if size > HIGH_START and self.rng.random() < 0.5:
+            offset = self.rng.randrange(HIGH_START, size)
+        else:
+            offset = self.rng.randrange(min(size, LOW_END))
+        return slot, offset, self.rng.randint(1, min(size - offset, 64 * KiB))
+
+    def _mmap_read(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op | None:
+        found = self._mapped_range(ref)
+        return None if found is None else ("mmap_read", *found)
+
+    def _mmap_write(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op | None:
+        found = self._mapped_range(ref)
+        return None if found is None else ("mmap_write", *found, self.rng.randrange(2**32))
+
+    def _setxattr(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op:
+        rng = self.rng
+        flags = rng.choice((0, 0, os.XATTR_CREATE, os.XATTR_REPLACE))
+        return ("setxattr", self._path(snap, p_existing=0.9), rng.choice(XATTR_NAMES),
+                rng.choice((0, 1, 17, 300)), rng.randrange(2**32), flags)
+
+    def _getxattr(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op:
+        return ("getxattr", self._path(snap, p_existing=0.9), self.rng.choice(XATTR_NAMES))
+
+    def _removexattr(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op:
+        return ("removexattr", self._path(snap, p_existing=0.9), self.rng.choice(XATTR_NAMES))
+
+    def _listxattr(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op:
+        return ("listxattr", self._path(snap, p_existing=0.9))
 
     def _readlink(self, ref: Side, snap: dict[str, tuple[Any, ...]]) -> Op:
         return ("readlink", self._path(snap, "l", p_existing=0.9))

@@ -29,7 +29,7 @@ pytest.importorskip("torch.distributed.checkpoint")
 import torch.distributed.checkpoint as dcp
 
 from tests import dcp_worker
-from tests.mounting import Mount, Mounter
+from tests.mounting import Mount, Mounter, is_mounted
 
 pytestmark = [pytest.mark.mount, pytest.mark.torch, pytest.mark.timeout(420)]
 
@@ -149,6 +149,20 @@ def check_dcp_metadata(ckpt: Path) -> None:
     assert {"extra.epoch", "extra.run"} <= set(entries)
 
 
+def assert_store_has(m: Mount, rel_dir: str, digests: dict[str, tuple[int, str]]) -> None:
+    """After ``ckptfs umount`` (which waits for uploads, DESIGN §5) the warm tier, a plain tree
+    (DESIGN §2 "layout on the store"), holds exactly one copy of every file with the same bytes,
+    and nothing left under a ``.tmp`` name."""
+    assert not is_mounted(m.path)
+    stored = tree(m.store)
+    leftovers = sorted(p for p in stored if ".tmp" in p)
+    assert not leftovers, f"temporary names left on the store: {leftovers}"
+    base = m.store / rel_dir
+    got = {rel: (os.path.getsize(base / rel), sha256_file(base / rel))
+           for rel, kind in tree(base).items() if kind == "file"} if base.is_dir() else {}
+    assert got == digests, f"store copy of {rel_dir} differs from what the mount served"
+
+
 def load_single_process(ckpt: Path, seed: int) -> None:
     """Load the whole checkpoint in this process as plain (unsharded) tensors, no process group."""
     sd: dict[str, Any] = {"model": {}, "optim": {}}
@@ -254,7 +268,10 @@ def test_torch_save_load_1gib(mounter: Mounter) -> None:
         assert_same_state_dict(loaded, sd)
     finally:
         del loaded
-        gc.collect()  # drop the mapping, or the teardown umount would find the mount busy
+        gc.collect()  # drop the mapping, or the umount would find the mount busy
+
+    m.umount()
+    assert_store_has(m, "step_1", {"model.pt": (size, digest)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +300,9 @@ def test_dcp_save4_load2(mounter: Mounter, tmp_path: Path) -> None:
     assert tree(ckpt) == {name: "file" for name in DCP_FILES_4_RANKS}
     assert file_digests(m, "ckpt") == digests, "bytes changed across umount + remount"
     load_single_process(ckpt, seed)
+
+    m.umount()
+    assert_store_has(m, "ckpt", digests)
 
 
 def test_dcp_tmp_dir_rename(mounter: Mounter, tmp_path: Path) -> None:
@@ -313,3 +333,7 @@ def test_dcp_tmp_dir_rename(mounter: Mounter, tmp_path: Path) -> None:
     assert file_digests(m, "step_100") == digests, "bytes changed across umount + remount"
     assert_closed_files(m, "step_100")
     dcp_load_and_check(final, work, seed=seed)
+
+    m.umount()
+    assert_store_has(m, "step_100", digests)
+    assert not (m.store / "step_100.tmp").exists()

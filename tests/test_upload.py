@@ -1,0 +1,276 @@
+"""Stage 2 without a mount: the core + the uploader + a memory tier behind a fault wrapper.
+
+Deterministic: trio's autojump clock stands in for time, so backoff and latency cost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from ckptfs.config import DEFAULT_COMMIT_MARKERS
+from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER, Filesystem
+from ckptfs.journal import ROOT_INODE, Journal, State
+from ckptfs.staging import Staging
+from ckptfs.tiers.base import Kind, ObjectMeta, Progress
+from ckptfs.tiers.faulty import FaultyTier
+from ckptfs.tiers.memory import MemoryTier
+from ckptfs.upload import Uploader, file_checksum
+
+ROOT = ROOT_INODE
+
+
+class RecordingTier(FaultyTier):
+    """Logs when each put starts and ends (in trio time) to check ordering."""
+
+    def __init__(self, inner: MemoryTier, **kw: object) -> None:
+        super().__init__(inner, **kw)  # type: ignore[arg-type]
+        self.events: list[tuple[str, str, float]] = []
+
+    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
+                       progress: Progress | None = None) -> None:
+        self.events.append(("start", key, trio.current_time()))
+        await super().put_file(key, source, size, meta, progress)
+        self.events.append(("end", key, trio.current_time()))
+
+
+@dataclass
+class Rig:
+    fs: Filesystem
+    uploader: Uploader
+    tier: RecordingTier
+    objects: dict  # type: ignore[type-arg]
+    root: Path
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        parent = ROOT
+        parts = path.split("/")
+        for part in parts[:-1]:
+            try:
+                parent = self.fs.lookup(parent, part.encode()).ino
+            except Exception:
+                parent = self.fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
+        try:
+            ino = self.fs.lookup(parent, parts[-1].encode()).ino
+            fh = self.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+        except Exception:
+            fh, row = self.fs.create(parent, parts[-1].encode(), mode,
+                                     os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+            ino = row.ino
+        self.fs.write(fh, 0, data)
+        self.fs.flush(fh)
+        self.fs.release(fh)
+        return ino
+
+    def ino(self, path: str) -> int:
+        ino = ROOT
+        for part in path.split("/"):
+            ino = self.fs.lookup(ino, part.encode()).ino
+        return ino
+
+    async def settle(self) -> None:
+        await self.uploader.wait_idle()
+
+    def files(self) -> dict[str, bytes]:
+        return {k: o.body for k, o in self.objects.items() if o.meta.kind is Kind.FILE}
+
+
+@pytest.fixture
+async def rig(
+    tmp_path: Path, request: pytest.FixtureRequest, autojump_clock: trio.abc.Clock
+) -> AsyncIterator[Rig]:
+    inner = MemoryTier("warm", "memory://t", f"t-{request.node.name}-{id(tmp_path)}")
+    inner.objects.clear()
+    tier = RecordingTier(inner)
+    staging = Staging(tmp_path / "staging")
+    staging.prepare()
+    journal = Journal(staging.root / "journal.db")
+    fs = Filesystem(journal, staging)
+    fs.start()
+    uploader = Uploader(journal, fs.ns, staging, tier, concurrency=4,
+                        markers=DEFAULT_COMMIT_MARKERS)
+    fs.listener = uploader
+    async with trio.open_nursery() as nursery:
+        await nursery.start(uploader.run)
+        yield Rig(fs, uploader, tier, inner.objects, tmp_path)
+        nursery.cancel_scope.cancel()
+    journal.close()
+    staging.close()
+
+
+async def test_close_commits_with_checksum(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    data = os.urandom(100_000)
+    ino = rig.write("step_1/model.pt", data, mode=0o600)
+    assert rig.fs.getattr(ino).state is State.STAGED
+    await rig.settle()
+    row = rig.fs.getattr(ino)
+    assert row.state is State.COMMITTED and row.remote_key == "step_1/model.pt"
+    obj = rig.objects["step_1/model.pt"]
+    assert obj.body == data
+    assert obj.meta.checksum == row.checksum == file_checksum(rig.fs.staging.path(ino), len(data))
+    assert obj.meta.mode == 0o600 and obj.meta.mtime_ns == row.mtime_ns
+    assert rig.objects["step_1/"].meta.kind is Kind.DIRECTORY
+    assert rig.fs.getxattr(ino, b"user.ckptfs.state") == b"committed"
+
+
+async def test_open_file_is_never_uploaded(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    fh, row = rig.fs.create(ROOT, b"partial", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    rig.fs.write(fh, 0, b"half")
+    rig.write("other", b"x")
+    await rig.settle()
+    assert "partial" not in rig.objects and "other" in rig.objects
+    rig.fs.release(fh)
+    await rig.settle()
+    assert rig.objects["partial"].body == b"half"
+
+
+async def test_marker_waits_for_every_shard(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    rig.tier.latency = 1.0
+    rig.tier.bandwidth = 1_000_000  # 1 MB/s: a 2 MB shard takes 2 s
+    for rank in range(4):
+        rig.write(f"step_5/__{rank}_0.distcp", os.urandom(500_000 * (rank + 1)))
+    rig.write("step_5/.metadata", b"meta")
+    rig.write("latest", b"step_5")
+    await rig.settle()
+    ends = {key: t for ev, key, t in rig.tier.events if ev == "end"}
+    starts = {key: t for ev, key, t in rig.tier.events if ev == "start"}
+    shards = [k for k in ends if k.endswith(".distcp")]
+    assert len(shards) == 4
+    assert starts["step_5/.metadata"] >= max(ends[k] for k in shards)
+    assert starts["latest"] >= ends["step_5/.metadata"]
+
+
+async def test_dcp_renames_end_with_one_copy(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    rig.tier.latency = 0.5
+    rig.write("step_7.tmp/__0_0.distcp", b"shard0")
+    rig.write("step_7.tmp/.metadata.tmp", b"meta")
+    tmp_dir = rig.ino("step_7.tmp")
+    rig.fs.rename(tmp_dir, b".metadata.tmp", tmp_dir, b".metadata")
+    await trio.sleep(0.7)  # some uploads in flight under the old names
+    rig.fs.rename(ROOT, b"step_7.tmp", ROOT, b"step_7")
+    await rig.settle()
+    assert set(rig.objects) == {"step_7/", "step_7/__0_0.distcp", "step_7/.metadata"}
+    assert rig.objects["step_7/.metadata"].body == b"meta"
+
+
+async def test_rename_unlink_overwrite_truncate_reach_the_store(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    rig.write("a", b"A" * 10)
+    rig.write("d/b", b"B")
+    rig.write("d/e/c", b"C")
+    await rig.settle()
+    rig.fs.rename(ROOT, b"a", ROOT, b"a2")
+    rig.fs.rename(ROOT, b"d", ROOT, b"d2")
+    rig.write("over", b"old")
+    await rig.settle()
+    rig.write("over", b"new content")
+    rig.fs.setattr(rig.ino("a2"), size=3)
+    rig.fs.unlink(rig.ino("d2"), b"b")
+    await rig.settle()
+    assert rig.files() == {"a2": b"AAA", "d2/e/c": b"C", "over": b"new content"}
+    assert {k for k in rig.objects if k.endswith("/")} == {"d2/", "d2/e/"}
+    # rename over an existing committed file, and an exchange
+    rig.write("x", b"X")
+    rig.write("y", b"Y")
+    await rig.settle()
+    rig.fs.rename(ROOT, b"x", ROOT, b"y")
+    rig.write("p", b"P")
+    rig.write("q", b"Q")
+    await rig.settle()
+    rig.fs.rename(ROOT, b"p", ROOT, b"q", RENAME_EXCHANGE)
+    await rig.settle()
+    files = rig.files()
+    assert files["y"] == b"X" and "x" not in files
+    assert files["p"] == b"Q" and files["q"] == b"P"
+
+
+async def test_rmdir_and_symlink(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    d = rig.fs.mkdir(ROOT, b"empty", 0o750, ROOT_CALLER)
+    rig.fs.symlink(ROOT, b"latest", b"step_3", ROOT_CALLER)
+    await rig.settle()
+    assert rig.objects["empty/"].meta.mode == 0o750
+    assert rig.objects["latest"].meta.kind is Kind.SYMLINK
+    assert rig.objects["latest"].body == b"step_3"
+    rig.fs.rmdir(ROOT, b"empty")
+    rig.fs.unlink(ROOT, b"latest")
+    await rig.settle()
+    assert rig.objects == {}
+    assert d.ino
+
+
+async def test_outage_delays_but_loses_nothing(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    rig.tier.down = True
+    datas = {f"step_{i}/m.pt": os.urandom(1000 + i) for i in range(5)}
+    for path, data in datas.items():
+        rig.write(path, data)  # acknowledged while the store is down
+    await trio.sleep(60)
+    assert rig.files() == {}
+    assert rig.uploader.failed()
+    rig.tier.down = False
+    await rig.settle()
+    assert rig.files() == datas
+    assert not rig.uploader.failed()
+
+
+async def test_reopen_cancels_the_old_upload(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    rig.tier.bandwidth = 100_000
+    ino = rig.write("big", b"1" * 1_000_000)
+    await trio.sleep(1)  # the upload is in flight (10 s at this bandwidth)
+    assert rig.fs.getattr(ino).state is State.UPLOADING
+    fh = rig.fs.open(ino, os.O_WRONLY)
+    assert rig.fs.getattr(ino).state is State.OPEN
+    await trio.sleep(20)
+    assert "big" not in rig.objects  # never published while open
+    rig.fs.write(fh, 0, b"2")
+    rig.fs.release(fh)
+    await rig.settle()
+    assert rig.objects["big"].body == b"2" + b"1" * 999_999
+
+
+async def test_unlink_during_upload_leaves_nothing(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    rig.tier.bandwidth = 100_000
+    rig.write("gone", b"g" * 500_000)
+    await trio.sleep(1)
+    rig.fs.unlink(ROOT, b"gone")
+    await rig.settle()
+    await trio.sleep(10)
+    assert rig.objects == {}
+
+
+async def test_replay_requeues_staged_and_uploading(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    inner = MemoryTier("warm", "memory://r", f"replay-{id(tmp_path)}")
+    staging = Staging(tmp_path / "s")
+    staging.prepare()
+    journal = Journal(staging.root / "journal.db")
+    fs = Filesystem(journal, staging)
+    fs.start()
+    fh, row = fs.create(ROOT, b"f", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    fs.write(fh, 0, b"payload")
+    fs.release(fh)
+    row.state = State.UPLOADING  # the daemon died mid-upload
+    fs.ns.persist(row)
+    journal.close()
+    staging.close()
+
+    staging = Staging(tmp_path / "s")
+    staging.prepare()
+    journal = Journal(staging.root / "journal.db")
+    fs = Filesystem(journal, staging)
+    fs.start()
+    uploader = Uploader(journal, fs.ns, staging, inner, concurrency=2, markers=())
+    fs.listener = uploader
+    uploader.requeue_from_journal()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(uploader.run)
+        await uploader.wait_until_done(uploader.last_seq())
+        nursery.cancel_scope.cancel()
+    assert inner.objects["f"].body == b"payload"
+    assert fs.getattr(row.ino).state is State.COMMITTED
+    journal.close()
+    staging.close()
