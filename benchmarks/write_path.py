@@ -377,6 +377,10 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict[str, Any]]]:
                 "writer_cpu_s_median": med([r.writer_cpu_user_s + r.writer_cpu_sys_s
                                             for r in rs]),
                 "other_cpu_share_median": med([r.other_cpu_s / r.blocked_s for r in rs]),
+                # writer + daemon CPU per GiB: a cost that load on a shared machine moves less
+                "cpu_s_per_gib_median": med([
+                    (r.writer_cpu_user_s + r.writer_cpu_sys_s + (r.daemon_cpu_user_s or 0)
+                     + (r.daemon_cpu_sys_s or 0)) / (r.bytes / 2**30) for r in rs]),
             }
             if rs[0].daemon_cpu_user_s is not None:
                 s["daemon_cpu_user_s_median"] = med([r.daemon_cpu_user_s or 0 for r in rs])
@@ -411,7 +415,9 @@ def ratios(summary: dict[str, Any], runs: list[Run]) -> list[dict[str, Any]]:
         else:
             value = t_num / t_den
         rows.append({"ratio": label, "workload": workload, "value": value, "target": target,
-                     "paired_per_rep": [round(p, 3) for p in paired]})
+                     "paired_per_rep": [round(p, 3) for p in paired],
+                     "cpu_per_gib_num_over_den": ws[num]["cpu_s_per_gib_median"]
+                     / ws[den]["cpu_s_per_gib_median"]})
 
     add("seq 1 MiB: ckptfs / nullfs throughput", "seq_1m", "ckptfs", "nullfs", "throughput",
         ">= 0.85")
@@ -472,8 +478,8 @@ def print_report(args: argparse.Namespace, env: dict[str, Any], summary: dict[st
       f"workdir {env['workdir']} ({env['workdir_fstype']}), load avg at start "
       f"{env['loadavg_start']}\n")
     p("| workload | config | MB/s | write+close s | write s | close s | daemon CPU s (usr+sys)"
-      " | sync(2) after s | other load | all runs, write+close s |")
-    p("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+      " | CPU s/GiB (writer+daemon) | sync(2) after s | other load | all runs, write+close s |")
+    p("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for w, per in summary.items():
         for c, s in per.items():
             cpu = ("-" if "daemon_cpu_user_s_median" not in s else
@@ -482,13 +488,15 @@ def print_report(args: argparse.Namespace, env: dict[str, Any], summary: dict[st
             write = "-" if w == "torch_save" else f"{s['write_s_median']:.3f}"
             p(f"| {TITLES[w]} ({fmt_size(s['bytes']) if w != 'torch_save' else '%.0f MiB' % (s['bytes'] / MiB)})"
               f" | {c} | {s['mb_per_s']:.0f} | {s['blocked_s_median']:.3f} | {write} | {close}"
-              f" | {cpu} | {s['sync_after_s_median']:.2f} | {s['other_cpu_share_median']:.2f}"
+              f" | {cpu} | {s['cpu_s_per_gib_median']:.2f} | {s['sync_after_s_median']:.2f}"
+              f" | {s['other_cpu_share_median']:.2f}"
               f" | {', '.join(f'{x:.3f}' for x in s['blocked_s_all'])} |")
-    p("\n| ratio | value | target | per rep |")
-    p("|---|---:|---|---|")
+    p("\n| ratio | value | target | per rep | CPU s/GiB, first / second |")
+    p("|---|---:|---|---|---:|")
     for r in ratio_rows:
         p(f"| {r['ratio']} | {r['value']:.2f} | {r['target']} | "
-          f"{', '.join(f'{x:.2f}' for x in r['paired_per_rep'])} |")
+          f"{', '.join(f'{x:.2f}' for x in r['paired_per_rep'])} | "
+          f"{r['cpu_per_gib_num_over_den']:.2f} |")
     if sizes:
         p("\nFUSE write requests as received by nullfs (same kernel, libfuse and mount options "
           "as ckptfs):\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.mounting import Mounter
+from tests.s3server import S3Server, start_server
 
 
 @pytest.fixture
@@ -17,3 +18,12 @@ def mounter(tmp_path: Path) -> Iterator[Mounter]:
         yield m
     finally:
         m.teardown()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    server = start_server()
+    try:
+        yield server
+    finally:
+        server.stop()

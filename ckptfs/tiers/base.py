@@ -145,7 +145,11 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every entry under ``prefix`` (recursive); directories appear as ``key/``."""
+        """Every entry under ``prefix`` (recursive); directories appear as ``key/``.
+
+        A file tier lists every directory (a file implies its parents); an object store lists
+        only the directory markers that were put.
+        """
 
     @abc.abstractmethod
     async def copy(self, src: str, dst: str) -> None:
