@@ -14,7 +14,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,9 +25,10 @@ try:  # typer >= 0.20 vendors click; older versions use click itself
 except ImportError:  # pragma: no cover
     from click import exceptions as _click_exc  # type: ignore[no-redef,unused-ignore]
 
+from ckptfs import client
 from ckptfs.config import Config, config_path, load_config, store_url
 from ckptfs.errors import UserError
-from ckptfs.mountinfo import FSTYPE, check_mountpoint, find, normalize
+from ckptfs.mountinfo import FSTYPE, check_mountpoint, find
 
 app = typer.Typer(
     name="ckptfs",
@@ -45,6 +45,7 @@ ConfigOpt = Annotated[
 ]
 
 READY_TIMEOUT = 120.0
+DAEMON_EXIT_TIMEOUT = 120.0
 
 
 def _setup_logging(level: str) -> None:
@@ -186,10 +187,16 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 @app.command()
 def umount(
     mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mountpoint.")],
+    wait: Annotated[bool, typer.Option(
+        "--wait/--no-wait",
+        help="Wait for pending uploads first (--no-wait leaves them for the next mount).",
+    )] = True,
+    timeout: Annotated[float | None, typer.Option(
+        help="Give up waiting for uploads after this many seconds.", show_default=False,
+    )] = None,
     lazy: Annotated[bool, typer.Option("--lazy", "-z", help="Detach even if busy.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the daemon to exit.")] = 120.0,
 ) -> None:
-    """Unmount a ckptfs mount and wait for its daemon to exit."""
+    """Wait for pending uploads, unmount, and wait for the daemon to exit."""
     entry = find(mountpoint)
     if entry is None:
         if not os.path.lexists(mountpoint):
@@ -197,36 +204,116 @@ def umount(
         raise UserError(f"{mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         raise UserError(f"{mountpoint} is not a ckptfs mount (it is {entry.fstype})")
-    info = daemon_info(Path(entry.mountpoint))
+    info = client.daemon_info(Path(entry.mountpoint))
+    if wait and info is not None:
+        if not _sync_with_progress(entry.mountpoint, "", timeout, "uploading before unmount"):
+            raise UserError(
+                f"uploads to the store did not finish within {timeout:.0f}s; not unmounted "
+                "(see 'ckptfs status', or use --no-wait)", exit_code=1)
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [entry.mountpoint]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
         if "busy" in reason.lower():
             reason = "it is busy (files are open or a process has its cwd there); try --lazy"
         raise UserError(f"cannot unmount {mountpoint}: {reason}", exit_code=1)
     pid = info.get("pid") if info else None
-    if isinstance(pid, int) and not _wait_exit(pid, timeout):
-        raise UserError(f"unmounted, but daemon {pid} is still running after {timeout:.0f}s",
-                        exit_code=1)
+    if isinstance(pid, int) and not _wait_exit(pid, DAEMON_EXIT_TIMEOUT):
+        raise UserError(
+            f"unmounted, but daemon {pid} is still running after {DAEMON_EXIT_TIMEOUT:.0f}s",
+            exit_code=1)
 
 
-def daemon_info(mountpoint: Path, timeout: float = 5.0) -> dict[str, Any] | None:
-    """What the daemon serving ``mountpoint`` says of itself; None if it does not answer."""
-    result: list[dict[str, Any]] = []
+@app.command()
+def sync(
+    path: Annotated[Path, typer.Argument(help="A ckptfs mount, or a path in one.")] = Path("."),
+    timeout: Annotated[float | None, typer.Option(
+        help="Give up after this many seconds (exit code 1).", show_default=False)] = None,
+) -> None:
+    """Wait until everything closed so far (under PATH) is committed to the warm tier."""
+    entry, rel = client.locate(path)
+    if not _sync_with_progress(entry.mountpoint, rel, timeout, "committing"):
+        raise UserError(f"not everything under {path} was committed within {timeout:.0f}s "
+                        "(see 'ckptfs status')", exit_code=1)
 
-    def ask() -> None:
+
+def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: str) -> bool:
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+
+    columns = (TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    with Progress(*columns, transient=True, console=_err_console()) as bar:
+        task = bar.add_task(what, total=None, note="")
+
+        def show(reply: dict[str, Any]) -> None:
+            total = int(reply.get("total_bytes", 0))
+            errors = reply.get("errors") or []
+            bar.update(task, total=total or None, completed=total - int(reply["pending_bytes"]),
+                       note=f"{reply['pending_files']} files left"
+                       + (f"; retrying: {errors[0]}" if errors else ""))
+
+        return client.sync(mountpoint, rel, timeout, show)
+
+
+def _err_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@app.command()
+def status(
+    mountpoint: Annotated[Path | None, typer.Argument(
+        help="A ckptfs mount (default: every ckptfs mount).", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Queue, rates, failures and incomplete files of live mounts."""
+    if mountpoint is not None:
+        targets = [client.locate(mountpoint)[0].mountpoint]
+    else:
+        targets = [m.mountpoint for m in client.ckptfs_mounts()]
+        if not targets:
+            raise UserError("no ckptfs mount is active")
+    reports = []
+    for target in targets:
         try:
-            raw = os.getxattr(normalize(mountpoint), "user.ckptfs.daemon")
-            result.append(json.loads(raw))
-        except (OSError, ValueError):
-            pass
+            reports.append(client.status(target))
+        except (UserError, OSError) as exc:
+            if mountpoint is not None:
+                raise UserError(str(exc)) from None
+            reports.append({"mountpoint": target, "error": str(exc)})
+    if as_json:
+        print(json.dumps(reports if mountpoint is None else reports[0], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
 
-    # A hung daemon would block getxattr forever: ask from a thread we can abandon.
-    worker = threading.Thread(target=ask, daemon=True)
-    worker.start()
-    worker.join(timeout)
-    return result[0] if result else None
+    console = Console()
+    for r in reports:
+        if "error" in r:
+            console.print(f"[red]ckptfs {r['mountpoint']}: {r['error']}")
+            continue
+        table = Table(title=f"ckptfs {r['mountpoint']}", show_header=False, title_justify="left")
+        table.add_row("warm tier", r["warm_tier"])
+        table.add_row("staging", f"{r['staging_dir']} ({_human(r['staging']['free_bytes'])} free)")
+        table.add_row("queue", f"{r['queue']['files']} files, {_human(r['queue']['bytes'])}")
+        table.add_row("uploaded", f"{r['uploaded']['files']} files, "
+                                  f"{_human(r['uploaded']['bytes'])}")
+        table.add_row("rate", f"{_human(r['upload_rate_bytes_per_s'])}/s"
+                      + (f", ETA {r['eta_s']:.0f}s" if r["eta_s"] else ""))
+        table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
+                      or "none")
+        table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")
+        console.print(table)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _alive(pid: int) -> bool:

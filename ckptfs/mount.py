@@ -40,7 +40,9 @@ LOG_NAME = "daemon.log"
 
 def fuse_options(config: Config) -> set[str]:
     options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
-    options |= {"fsname=ckptfs", "subtype=ckptfs"}
+    # The source column of mount(8)/df shows which store this node writes to.
+    source = "ckptfs:" + (config.warm.url or "").replace(",", "%2C")
+    options |= {f"fsname={source}", "subtype=ckptfs"}
     if config.allow_other:
         options.add("allow_other")
     return options

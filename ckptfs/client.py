@@ -1,0 +1,98 @@
+"""Talking to a live mount from the CLI: find it, ask its daemon, wait for it.
+
+Invariant: nothing here can hang forever on a dead or hung daemon: the daemon is found from
+the mount table and asked through a thread we can abandon (getxattr) or a socket with a
+timeout; only ``sync`` waits without limit, and only when asked to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ckptfs import control
+from ckptfs.errors import UserError
+from ckptfs.mountinfo import FSTYPE, MountEntry, mounts, normalize
+
+
+def daemon_info(mountpoint: Path, timeout: float = 5.0) -> dict[str, Any] | None:
+    """What the daemon serving ``mountpoint`` says of itself; None if it does not answer."""
+    result: list[dict[str, Any]] = []
+
+    def ask() -> None:
+        try:
+            raw = os.getxattr(normalize(mountpoint), "user.ckptfs.daemon")
+            result.append(json.loads(raw))
+        except (OSError, ValueError):
+            pass
+
+    # A hung daemon would block getxattr forever: ask from a thread we can abandon.
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return result[0] if result else None
+
+
+def ckptfs_mounts() -> list[MountEntry]:
+    return [m for m in mounts() if m.fstype == FSTYPE]
+
+
+def locate(path: Path) -> tuple[MountEntry, str]:
+    """The ckptfs mount holding ``path`` and the path relative to its root ('' for the root)."""
+    target = normalize(path)
+    best: MountEntry | None = None
+    for entry in ckptfs_mounts():
+        root = entry.mountpoint.rstrip("/") or "/"
+        if target == root or target.startswith(root.rstrip("/") + "/"):
+            if best is None or len(root) > len(best.mountpoint):
+                best = entry
+    if best is None:
+        raise UserError(f"{path} is not on a ckptfs mount")
+    rel = os.path.relpath(target, best.mountpoint)
+    return best, "" if rel == "." else rel
+
+
+def control_socket(mountpoint: str | Path) -> Path:
+    info = daemon_info(Path(mountpoint))
+    if not info or "control" not in info:
+        raise UserError(f"the ckptfs daemon of {mountpoint} does not answer")
+    return Path(str(info["control"]))
+
+
+def status(mountpoint: str | Path) -> dict[str, Any]:
+    for reply in control.request(control_socket(mountpoint), {"op": "status"}):
+        if "error" in reply:
+            raise UserError(str(reply["error"]))
+        return reply
+    raise UserError(f"the ckptfs daemon of {mountpoint} gave no status")
+
+
+def sync(
+    mountpoint: str | Path, rel: str = "", timeout: float | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> bool:
+    """Wait until everything closed so far (under ``rel``) is committed; False on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    payload: dict[str, Any] = {"op": "sync"}
+    if rel:
+        payload["path"] = rel
+    replies: Iterator[dict[str, Any]] = control.request(
+        control_socket(mountpoint), payload, timeout=None if timeout is None else timeout + 5)
+    try:
+        for reply in replies:
+            if "error" in reply:
+                raise UserError(str(reply["error"]))
+            if reply.get("done"):
+                return True
+            if on_progress:
+                on_progress(reply)
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+    except TimeoutError:
+        return False
+    raise UserError(f"the ckptfs daemon of {mountpoint} stopped answering")
