@@ -64,6 +64,8 @@ NULLFS_VARIANTS = {
     "nullfs-pwrite": ["--backing-dir", "{base}/nullfs-pwrite-backing"],  # + land the bytes
     "nullfs-wbc": ["--writeback-cache"],  # FUSE writeback cache
     "nullfs-noxattr": ["--getxattr-enosys"],  # no security.capability round trip per write()
+    "nullfs-dio": ["--direct-io"],  # FOPEN_DIRECT_IO on writable opens
+    "nullfs-pwrite-dio": ["--backing-dir", "{base}/nullfs-pwrite-dio-backing", "--direct-io"],
 }
 ALL_CONFIGS = ("plain", *NULLFS_VARIANTS, "ckptfs")
 WORKLOADS = ("seq_1m", "seq_128k", "torch_save")

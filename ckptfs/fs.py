@@ -24,11 +24,15 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import trio
 
 from ckptfs.errors import (
     BadHandle,
     NotFound,
+    StagingFull,
+    StoreUnavailable,
     InvalidArgument,
     IsADirectory,
     NoSuchAttribute,
@@ -37,7 +41,10 @@ from ckptfs.errors import (
 )
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.namespace import Namespace
-from ckptfs.staging import Staging
+from ckptfs.staging import SpaceBudget, Staging
+
+if TYPE_CHECKING:
+    from ckptfs.fetch import Fetcher
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +100,7 @@ class ChangeListener(Protocol):
     def cancel(self, ino: int) -> None: ...
     def last_seq(self) -> int: ...
     async def wait_until_done(self, upto_seq: int) -> None: ...
+    async def wait_progress(self) -> None: ...
 
 
 class _NoListener:
@@ -114,6 +122,9 @@ class _NoListener:
     async def wait_until_done(self, upto_seq: int) -> None:
         pass
 
+    async def wait_progress(self) -> None:
+        await trio.sleep_forever()  # nothing will ever be uploaded, so nothing frees up
+
 
 def state_label(row: Row) -> str:
     """What ``user.ckptfs.state`` says of a file."""
@@ -129,10 +140,15 @@ class Filesystem:
 
     def __init__(
         self, journal: Journal, staging: Staging, *, unlink_remote: bool = True,
-        fsync_remote: bool = False,
+        fsync_remote: bool = False, space: SpaceBudget | None = None,
+        fetcher: Fetcher | None = None, write_stall_timeout: float = 300.0,
     ) -> None:
         self.journal = journal
         self.listener: ChangeListener = _NoListener()
+        self.space = space or SpaceBudget(staging, None, 0.0)
+        self.fetcher = fetcher
+        self.write_stall_timeout = write_stall_timeout
+        self.stall_seconds = 0.0
         # unlink = "local-only" leaves remote copies to retention; fsync = "remote" waits for
         # the store (docs/SEMANTICS.md).
         self.unlink_remote = unlink_remote
@@ -165,11 +181,16 @@ class Filesystem:
                 row.state = State.STAGED
                 self.journal.update(row)
         for stray in self.staging.stray_files(self.journal.all_inos()):
+            if stray.name.endswith(".fetch"):
+                stray.unlink()  # a partial download: the store still has it
+                continue
             log.warning("staging file with no journal entry (kept, not deleted): %s", stray)
+        self.space.used = self.journal.local_bytes()
 
     def _drop_data(self, row: Row) -> None:
-        if stat.S_ISREG(row.mode):
+        if stat.S_ISREG(row.mode) and row.state is not State.REMOTE:
             self.staging.unlink(row.ino)
+            self.space.give_back(row.size)
 
     # -- attributes -----------------------------------------------------------------------
 
@@ -188,13 +209,16 @@ class Filesystem:
     def getattr(self, ino: int) -> Row:
         return self.ns.get(ino)
 
-    def setattr(
+    async def setattr(
         self, ino: int, *, fh: int | None = None, size: int | None = None,
         mode: int | None = None, uid: int | None = None, gid: int | None = None,
         atime_ns: int | None = None, mtime_ns: int | None = None,
     ) -> Row:
         row = self.ns.get(ino)
         now = time.time_ns()
+        if row.state is State.REMOTE and (size != 0 or mode is not None or uid is not None
+                                          or gid is not None or mtime_ns is not None):
+            await self._ensure_local(row)  # the new version is built from the old bytes
         if size is not None:
             if stat.S_ISDIR(row.mode):
                 raise IsADirectory("cannot truncate a directory")
@@ -202,6 +226,7 @@ class Filesystem:
                 raise InvalidArgument("can only truncate a regular file")
             if size < 0:
                 raise InvalidArgument("negative size")
+            await self._reserve(size - row.size if row.state is not State.REMOTE else size)
             self._modify_data(row)
             self.staging.truncate(ino, size)
             row.size = size
@@ -347,7 +372,7 @@ class Filesystem:
 
     # -- files ----------------------------------------------------------------------------
 
-    def open(self, ino: int, flags: int) -> int:
+    async def open(self, ino: int, flags: int) -> int:
         row = self.ns.get(ino)
         if stat.S_ISDIR(row.mode):
             raise IsADirectory("cannot open a directory as a file")
@@ -357,6 +382,16 @@ class Filesystem:
         # Linux truncates on O_TRUNC even for O_RDONLY (the kernel checked write permission),
         # and with atomic_o_trunc the kernel leaves that truncation to us.
         truncate = bool(flags & os.O_TRUNC)
+        if row.state is State.REMOTE:
+            if truncate:
+                self.staging.create_empty(ino)
+                row.state = State.COMMITTED  # local (and empty) again; truncated below
+                self.space.try_take(row.size)  # given back by the truncation below
+            else:
+                await self._ensure_local(row)
+            row = self.ns.get(ino)
+        if truncate:
+            self.space.give_back(row.size)
         if writable:
             self._begin_write(row)
         elif truncate:
@@ -437,13 +472,87 @@ class Filesystem:
         assert handle.fd is not None
         return self.staging.pread(handle.fd, size, offset)
 
-    def write(self, fh: int, offset: int, data: bytes) -> int:
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self._handle(fh)
         if not handle.writable or handle.fd is None:
             raise BadHandle("file not open for writing")
-        written = self.staging.pwrite(handle.fd, data, offset)
-        self.ns.note_write(self.ns.get(handle.ino), offset + written)
+        row = self.ns.get(handle.ino)
+        growth = offset + len(data) - row.size
+        if growth > 0 and not self.space.try_take(growth):
+            await self._reserve(growth)
+        try:
+            written = self.staging.pwrite(handle.fd, data, offset)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # The disk filled up behind our accounting (other users of the disk): make room
+            # the same way, then try once more.
+            await self._reserve(len(data), force_evict=True)
+            written = self.staging.pwrite(handle.fd, data, offset)
+        self.ns.note_write(row, offset + written)
         return written
+
+    # -- space ----------------------------------------------------------------------------
+
+    async def _reserve(self, nbytes: int, force_evict: bool = False) -> None:
+        """Make room for ``nbytes`` more local bytes: evict committed copies, else wait for
+        uploads to commit more, else StagingFull after ``write_stall_timeout``."""
+        if nbytes <= 0:
+            self.space.try_take(nbytes)
+            return
+        if not force_evict and self.space.try_take(nbytes):
+            return
+        started = trio.current_time()
+        try:
+            with trio.move_on_after(self.write_stall_timeout):
+                while True:
+                    self._evict(nbytes)
+                    if self.space.try_take(nbytes):
+                        return
+                    await self.listener.wait_progress()
+        finally:
+            self.stall_seconds += trio.current_time() - started
+        raise StagingFull(f"no room for {nbytes} bytes in {self.staging.root} after "
+                          f"{self.write_stall_timeout:.0f}s")
+
+    def _evict(self, nbytes: int) -> int:
+        """Drop local copies of committed files, oldest first, until ``nbytes`` are freed."""
+        freed = 0
+        for row in self.journal.rows_in_states(State.COMMITTED):
+            if freed >= nbytes:
+                break
+            cached = self.ns.get(row.ino)
+            if cached.state is not State.COMMITTED or self.ns.open_count(row.ino) \
+                    or self._writers.get(row.ino) or cached.remote_key is None:
+                continue
+            self.evict(cached)
+            freed += cached.size
+        return freed
+
+    def evict(self, row: Row) -> None:
+        """Drop the local copy of a committed file; it stays readable from the warm tier."""
+        self.staging.unlink(row.ino)
+        self.space.give_back(row.size)
+        row.state = State.REMOTE
+        self.ns.persist(row)
+        log.info("evicted local copy of %s (%d bytes)", row.remote_key, row.size)
+
+    async def _ensure_local(self, row: Row) -> None:
+        """Fetch an evicted file back from the warm tier (checksum-verified)."""
+        if row.state is not State.REMOTE:
+            return
+        if self.fetcher is None or row.remote_key is None:
+            raise StoreUnavailable(f"inode {row.ino} has no local copy and no store to read")
+        await self._reserve(row.size)
+        try:
+            await self.fetcher.fetch_whole(row)
+        except BaseException:
+            self.space.give_back(row.size)
+            raise
+        row = self.ns.get(row.ino)
+        if row.state is State.REMOTE:
+            row.state = State.COMMITTED
+            self.ns.persist(row)
 
     def flush(self, fh: int) -> None:
         """close() of one file descriptor: make size/mtime visible in the journal."""

@@ -103,7 +103,7 @@ class FuseOps(pyfuse3.Operations):  # type: ignore[misc]
 
     @_translate_errors
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any) -> Any:
-        row = self.fs.setattr(
+        row = await self.fs.setattr(
             inode,
             fh=fh,
             size=attr.st_size if fields.update_size else None,
@@ -152,7 +152,7 @@ class FuseOps(pyfuse3.Operations):  # type: ignore[misc]
 
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
-        return pyfuse3.FileInfo(fh=self.fs.open(inode, flags))
+        return pyfuse3.FileInfo(fh=await self.fs.open(inode, flags))
 
     @_translate_errors
     async def create(
@@ -167,7 +167,7 @@ class FuseOps(pyfuse3.Operations):  # type: ignore[misc]
 
     @_translate_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return self.fs.write(fh, off, buf)
+        return await self.fs.write(fh, off, buf)
 
     @_translate_errors
     async def flush(self, fh: int) -> None:

@@ -290,7 +290,7 @@ class Journal:
             _row(r)
             for r in self._db.execute(
                 _SELECT + f" WHERE state IN ({marks}) AND (mode & 61440) = 32768 ORDER BY"
-                " closed_at, ino",
+                " committed_at, closed_at, ino",
                 tuple(s.value for s in states),
             )
         ]
@@ -314,6 +314,13 @@ class Journal:
                 (ROOT_INODE, State.OPEN.value, State.REMOTE.value),
             )
         ]
+
+    def local_bytes(self) -> int:
+        """Bytes of file data in staging (apparent sizes of files not evicted)."""
+        found = self._db.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE (mode & 61440) = 32768"
+            " AND state != ?", (State.REMOTE.value,)).fetchone()
+        return int(found[0])
 
     def paths_in_states(self, *states: State) -> list[bytes]:
         paths = []

@@ -23,11 +23,12 @@ from ckptfs import __version__
 from ckptfs.config import Config
 from ckptfs.control import ControlServer
 from ckptfs.errors import StoreUnavailable, UserError
+from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import Journal
 from ckptfs.mountinfo import check_mountpoint
-from ckptfs.staging import Staging
+from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier, TierError
 from ckptfs.upload import Uploader
@@ -86,8 +87,13 @@ async def serve(
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     try:
-        fs = Filesystem(journal, staging, unlink_remote=config.unlink == "posix",
-                        fsync_remote=config.fsync == "remote")
+        fs = Filesystem(
+            journal, staging, unlink_remote=config.unlink == "posix",
+            fsync_remote=config.fsync == "remote",
+            space=SpaceBudget(staging, config.staging_max_bytes, config.staging_min_free_ratio),
+            fetcher=Fetcher(tier, staging),
+            write_stall_timeout=config.write_stall_timeout.total_seconds(),
+        )
         fs.start()
         uploader = Uploader(journal, fs.ns, staging, tier,
                             concurrency=config.upload_concurrency, markers=config.commit_markers)

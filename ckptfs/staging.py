@@ -214,3 +214,43 @@ class Staging:
     def free_bytes(self) -> int:
         st = self.statvfs()
         return st.f_bavail * st.f_frsize
+
+
+class SpaceBudget:
+    """How many more bytes the staging directory may take before something must give.
+
+    Two limits: ``max_bytes`` of local data (if set), and a free-space reserve of
+    ``min_free_ratio`` of the staging filesystem. ``statvfs`` is asked only when the headroom
+    measured last time runs out, so the write path normally pays one subtraction.
+    """
+
+    def __init__(self, staging: Staging, max_bytes: int | None, min_free_ratio: float) -> None:
+        self.staging = staging
+        self.max_bytes = max_bytes
+        self.min_free_ratio = min_free_ratio
+        self.used = 0  # bytes of local file data (apparent sizes)
+        self._headroom = 0
+
+    def _measure(self) -> int:
+        st = self.staging.statvfs()
+        reserve = int(st.f_blocks * st.f_frsize * self.min_free_ratio)
+        self._headroom = st.f_bavail * st.f_frsize - reserve
+        return self._headroom
+
+    def try_take(self, nbytes: int) -> bool:
+        """Account for ``nbytes`` more of local data if they fit; False if they do not."""
+        if nbytes <= 0:
+            self.used += nbytes
+            return True
+        if self.max_bytes is not None and self.used + nbytes > self.max_bytes:
+            return False
+        if self._headroom < nbytes and self._measure() < nbytes:
+            return False
+        self._headroom -= nbytes
+        self.used += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        """``nbytes`` of local data were deleted, evicted or truncated away."""
+        self.used = max(0, self.used - nbytes)
+        self._headroom += nbytes

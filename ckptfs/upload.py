@@ -177,6 +177,10 @@ class Uploader:
         while self.outstanding(upto_seq):
             await self._changed.wait()
 
+    async def wait_progress(self) -> None:
+        """Return after the next item finishes (a writer waiting for space tries again)."""
+        await self._changed.wait()
+
     async def wait_idle(self) -> None:
         """Return once nothing at all is left to do (items queued meanwhile included)."""
         while self.outstanding():
@@ -308,7 +312,7 @@ class Uploader:
         if stat.S_ISREG(row.mode):
             if row.state in (State.STAGED, State.UPLOADING) and not row.incomplete:
                 await self._upload(work, row, key)
-            elif row.state is State.COMMITTED and row.remote_key != key:
+            elif row.state in (State.COMMITTED, State.REMOTE) and row.remote_key != key:
                 await self._move(row, key)
         else:
             await self._put_entry(row, key)
@@ -372,6 +376,9 @@ class Uploader:
                 raise ObjectMissing(old_key)
             await self.tier.copy(old_key, key)
         except ObjectMissing:
+            if row.state is State.REMOTE:
+                log.error("%s: the only copy of %s is gone from %s", old_key, key, self.tier.url)
+                raise
             row.state = State.STAGED  # upload it again from the local copy
             row.remote_key = None
             self.ns.persist(row)

@@ -6,9 +6,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio.testing
 
 from tests.mounting import Mounter
 from tests.s3server import S3Server, start_server
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    """Virtual time that jumps only after 0.1 s of real idleness.
+
+    pytest-trio's own autojump clock jumps at once when every task waits, including tasks
+    waiting for a worker thread (checksums, file I/O): time would leap past timeouts while a
+    thread works. The threshold lets threads finish first.
+    """
+    return trio.testing.MockClock(autojump_threshold=0.1)
 
 
 @pytest.fixture

@@ -42,8 +42,10 @@ def is_mounted(path: Path) -> bool:
 class Mount:
     path: Path
     staging: Path
-    store: Path
+    store: Path | None  # the --store flag (None: the config file names the warm tier)
     extra: list[str] = field(default_factory=list)
+    # A TOML config file (``-c``): its tiers are used as they are unless ``store`` is set.
+    config: Path | None = None
 
     @property
     def pid(self) -> int:
@@ -72,7 +74,12 @@ class Mount:
         subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
 
     def remount(self) -> None:
-        ckptfs("mount", self.path, "--staging", self.staging, "--store", self.store, *self.extra)
+        args: list[str | os.PathLike[str]] = ["mount", self.path, "--staging", self.staging]
+        if self.config is not None:
+            args += ["--config", self.config]
+        if self.store is not None:
+            args += ["--store", self.store]
+        ckptfs(*args, *self.extra)
 
 
 class Mounter:
@@ -83,11 +90,16 @@ class Mounter:
         self.mounts: list[Mount] = []
 
     def __call__(self, name: str = "m", *, staging: Path | None = None,
-                 store: Path | None = None, extra: list[str] | None = None) -> Mount:
+                 store: Path | None = None, extra: list[str] | None = None,
+                 config: Path | None = None) -> Mount:
+        """Mount ``name``; with ``config`` (a TOML file) its warm tier is used unless
+        ``store`` is given too, otherwise the warm tier is ``store`` (default: a shared dir)."""
         path = self.base / name / "mnt"
         path.mkdir(parents=True, exist_ok=True)
-        m = Mount(path, staging or self.base / name / "staging", store or self.base / "store",
-                  list(extra or []))
+        if store is None and config is None:
+            store = self.base / "store"
+        m = Mount(path, staging or self.base / name / "staging", store, list(extra or []),
+                  config)
         m.remount()
         self.mounts.append(m)
         return m

@@ -38,59 +38,59 @@ def fs(tmp_path: Path) -> Iterator[Filesystem]:
     close_fs(f)
 
 
-def write_file(fs: Filesystem, parent: int, name: bytes, data: bytes) -> int:
+async def write_file(fs: Filesystem, parent: int, name: bytes, data: bytes) -> int:
     fh, row = fs.create(parent, name, 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
-    fs.write(fh, 0, data)
+    await fs.write(fh, 0, data)
     fs.flush(fh)
     fs.release(fh)
     return row.ino
 
 
-def read_file(fs: Filesystem, ino: int) -> bytes:
-    fh = fs.open(ino, os.O_RDONLY)
+async def read_file(fs: Filesystem, ino: int) -> bytes:
+    fh = await fs.open(ino, os.O_RDONLY)
     try:
         return fs.read(fh, 0, 1 << 30)
     finally:
         fs.release(fh)
 
 
-def test_close_stages_and_reopen_starts_new_version(fs: Filesystem) -> None:
+async def test_close_stages_and_reopen_starts_new_version(fs: Filesystem) -> None:
     fh, row = fs.create(ROOT, b"a", 0o644, os.O_RDWR | os.O_CREAT, ROOT_CALLER)
     assert row.state is State.OPEN
-    fs.write(fh, 0, b"hello")
+    await fs.write(fh, 0, b"hello")
     assert fs.getattr(row.ino).size == 5
     fs.release(fh)
     assert row.state is State.STAGED and row.closed_at is not None
     version = row.version
-    fh = fs.open(row.ino, os.O_WRONLY)
+    fh = await fs.open(row.ino, os.O_WRONLY)
     assert row.state is State.OPEN and row.version == version + 1
     fs.release(fh)
     assert fs.journal.get(row.ino).state is State.STAGED  # type: ignore[union-attr]
 
 
-def test_two_writers_stay_open_until_the_last_closes(fs: Filesystem) -> None:
+async def test_two_writers_stay_open_until_the_last_closes(fs: Filesystem) -> None:
     fh1, row = fs.create(ROOT, b"a", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
-    fh2 = fs.open(row.ino, os.O_WRONLY)
+    fh2 = await fs.open(row.ino, os.O_WRONLY)
     fs.release(fh1)
     assert row.state is State.OPEN
     fs.release(fh2)
     assert row.state is State.STAGED
 
 
-def test_sparse_write_and_o_trunc(fs: Filesystem) -> None:
+async def test_sparse_write_and_o_trunc(fs: Filesystem) -> None:
     fh, row = fs.create(ROOT, b"s", 0o644, os.O_RDWR | os.O_CREAT, ROOT_CALLER)
-    fs.write(fh, 5 << 30, b"end")  # past 4 GiB
+    await fs.write(fh, 5 << 30, b"end")  # past 4 GiB
     assert row.size == (5 << 30) + 3
     assert fs.read(fh, 1 << 30, 4) == b"\0" * 4
     fs.release(fh)
-    fh = fs.open(row.ino, os.O_WRONLY | os.O_TRUNC)
+    fh = await fs.open(row.ino, os.O_WRONLY | os.O_TRUNC)
     assert row.size == 0
     fs.release(fh)
 
 
-def test_unlink_while_open_keeps_data_until_release(fs: Filesystem) -> None:
-    ino = write_file(fs, ROOT, b"f", b"data")
-    fh = fs.open(ino, os.O_RDONLY)
+async def test_unlink_while_open_keeps_data_until_release(fs: Filesystem) -> None:
+    ino = await write_file(fs, ROOT, b"f", b"data")
+    fh = await fs.open(ino, os.O_RDONLY)
     fs.unlink(ROOT, b"f")
     with pytest.raises(errors.NotFound):
         fs.lookup(ROOT, b"f")
@@ -102,14 +102,14 @@ def test_unlink_while_open_keeps_data_until_release(fs: Filesystem) -> None:
     assert fs.journal.get(ino) is None
 
 
-def test_rename_semantics(fs: Filesystem) -> None:
-    a = write_file(fs, ROOT, b"a", b"A")
-    b = write_file(fs, ROOT, b"b", b"B")
+async def test_rename_semantics(fs: Filesystem) -> None:
+    a = await write_file(fs, ROOT, b"a", b"A")
+    b = await write_file(fs, ROOT, b"b", b"B")
     with pytest.raises(errors.AlreadyExists):
         fs.rename(ROOT, b"a", ROOT, b"b", RENAME_NOREPLACE)
     fs.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
-    assert read_file(fs, fs.lookup(ROOT, b"b").ino) == b"A"
-    assert read_file(fs, fs.lookup(ROOT, b"a").ino) == b"B"
+    assert await read_file(fs, fs.lookup(ROOT, b"b").ino) == b"A"
+    assert await read_file(fs, fs.lookup(ROOT, b"a").ino) == b"B"
     fs.rename(ROOT, b"a", ROOT, b"b")  # replaces b, whose data goes once unreferenced
     assert fs.lookup(ROOT, b"b").ino == b
     assert fs.journal.get(a) is not None  # still known to the kernel (lookup count)
@@ -117,10 +117,10 @@ def test_rename_semantics(fs: Filesystem) -> None:
     assert fs.journal.get(a) is None and not fs.staging.exists(a)
 
 
-def test_directory_rules(fs: Filesystem) -> None:
+async def test_directory_rules(fs: Filesystem) -> None:
     d = fs.mkdir(ROOT, b"d", 0o755, ROOT_CALLER)
     sub = fs.mkdir(d.ino, b"sub", 0o755, ROOT_CALLER)
-    write_file(fs, sub.ino, b"f", b"x")
+    await write_file(fs, sub.ino, b"f", b"x")
     with pytest.raises(errors.NotEmpty):
         fs.rmdir(ROOT, b"d")
     with pytest.raises(errors.InvalidArgument):
@@ -137,8 +137,8 @@ def test_directory_rules(fs: Filesystem) -> None:
         fs.mkdir(ROOT, b"n" * 256, 0o755, ROOT_CALLER)
 
 
-def test_xattrs_and_virtual_state(fs: Filesystem) -> None:
-    ino = write_file(fs, ROOT, b"f", b"x")
+async def test_xattrs_and_virtual_state(fs: Filesystem) -> None:
+    ino = await write_file(fs, ROOT, b"f", b"x")
     fs.setxattr(ino, b"user.k", b"v")
     assert fs.getxattr(ino, b"user.k") == b"v"
     assert fs.listxattr(ino) == [b"user.k"]
@@ -152,26 +152,26 @@ def test_xattrs_and_virtual_state(fs: Filesystem) -> None:
         fs.getxattr(ino, b"user.k")
 
 
-def test_setgid_directory_inherits_group(fs: Filesystem) -> None:
+async def test_setgid_directory_inherits_group(fs: Filesystem) -> None:
     d = fs.mkdir(ROOT, b"shared", 0o2775, ROOT_CALLER)
-    fs.setattr(d.ino, gid=4242, mode=stat.S_IFDIR | 0o2775)
+    await fs.setattr(d.ino, gid=4242, mode=stat.S_IFDIR | 0o2775)
     sub = fs.mkdir(d.ino, b"sub", 0o755, ROOT_CALLER)
     assert sub.gid == 4242 and sub.mode & stat.S_ISGID
 
 
-def test_replay_marks_open_files_incomplete_and_keeps_closed(tmp_path: Path) -> None:
+async def test_replay_marks_open_files_incomplete_and_keeps_closed(tmp_path: Path) -> None:
     root = tmp_path / "staging"
     fs = open_fs(root)
-    closed = write_file(fs, ROOT, b"closed", b"c" * 1000)
+    closed = await write_file(fs, ROOT, b"closed", b"c" * 1000)
     fh, row = fs.create(ROOT, b"open", 0o600, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
-    fs.write(fh, 0, b"o" * 300)
+    await fs.write(fh, 0, b"o" * 300)
     # The daemon dies: no release, no close. Simulate by dropping the objects.
     fs.journal.close()
     fs.staging.close()
 
     fs2 = open_fs(root)
     try:
-        assert read_file(fs2, closed) == b"c" * 1000
+        assert await read_file(fs2, closed) == b"c" * 1000
         reopened = fs2.getattr(row.ino)
         assert reopened.incomplete and reopened.size == 300
         assert fs2.getxattr(row.ino, b"user.ckptfs.state") == b"incomplete"
@@ -180,7 +180,7 @@ def test_replay_marks_open_files_incomplete_and_keeps_closed(tmp_path: Path) -> 
         close_fs(fs2)
 
 
-def test_stray_staging_files_are_reported_not_deleted(
+async def test_stray_staging_files_are_reported_not_deleted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "staging"

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
+from ckptfs.fetch import Fetcher
 from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER, Filesystem
 from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.staging import Staging
@@ -47,7 +49,7 @@ class Rig:
     objects: dict  # type: ignore[type-arg]
     root: Path
 
-    def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
+    async def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
         parent = ROOT
         parts = path.split("/")
         for part in parts[:-1]:
@@ -57,12 +59,12 @@ class Rig:
                 parent = self.fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
         try:
             ino = self.fs.lookup(parent, parts[-1].encode()).ino
-            fh = self.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+            fh = await self.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
         except Exception:
             fh, row = self.fs.create(parent, parts[-1].encode(), mode,
                                      os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
             ino = row.ino
-        self.fs.write(fh, 0, data)
+        await self.fs.write(fh, 0, data)
         self.fs.flush(fh)
         self.fs.release(fh)
         return ino
@@ -90,7 +92,7 @@ async def rig(
     staging = Staging(tmp_path / "staging")
     staging.prepare()
     journal = Journal(staging.root / "journal.db")
-    fs = Filesystem(journal, staging)
+    fs = Filesystem(journal, staging, fetcher=Fetcher(tier, staging))
     fs.start()
     uploader = Uploader(journal, fs.ns, staging, tier, concurrency=4,
                         markers=DEFAULT_COMMIT_MARKERS)
@@ -105,7 +107,7 @@ async def rig(
 
 async def test_close_commits_with_checksum(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
     data = os.urandom(100_000)
-    ino = rig.write("step_1/model.pt", data, mode=0o600)
+    ino = await rig.write("step_1/model.pt", data, mode=0o600)
     assert rig.fs.getattr(ino).state is State.STAGED
     await rig.settle()
     row = rig.fs.getattr(ino)
@@ -120,8 +122,8 @@ async def test_close_commits_with_checksum(rig: Rig, autojump_clock: trio.abc.Cl
 
 async def test_open_file_is_never_uploaded(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
     fh, row = rig.fs.create(ROOT, b"partial", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
-    rig.fs.write(fh, 0, b"half")
-    rig.write("other", b"x")
+    await rig.fs.write(fh, 0, b"half")
+    await rig.write("other", b"x")
     await rig.settle()
     assert "partial" not in rig.objects and "other" in rig.objects
     rig.fs.release(fh)
@@ -133,9 +135,9 @@ async def test_marker_waits_for_every_shard(rig: Rig, autojump_clock: trio.abc.C
     rig.tier.latency = 1.0
     rig.tier.bandwidth = 1_000_000  # 1 MB/s: a 2 MB shard takes 2 s
     for rank in range(4):
-        rig.write(f"step_5/__{rank}_0.distcp", os.urandom(500_000 * (rank + 1)))
-    rig.write("step_5/.metadata", b"meta")
-    rig.write("latest", b"step_5")
+        await rig.write(f"step_5/__{rank}_0.distcp", os.urandom(500_000 * (rank + 1)))
+    await rig.write("step_5/.metadata", b"meta")
+    await rig.write("latest", b"step_5")
     await rig.settle()
     ends = {key: t for ev, key, t in rig.tier.events if ev == "end"}
     starts = {key: t for ev, key, t in rig.tier.events if ev == "start"}
@@ -147,8 +149,8 @@ async def test_marker_waits_for_every_shard(rig: Rig, autojump_clock: trio.abc.C
 
 async def test_dcp_renames_end_with_one_copy(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
     rig.tier.latency = 0.5
-    rig.write("step_7.tmp/__0_0.distcp", b"shard0")
-    rig.write("step_7.tmp/.metadata.tmp", b"meta")
+    await rig.write("step_7.tmp/__0_0.distcp", b"shard0")
+    await rig.write("step_7.tmp/.metadata.tmp", b"meta")
     tmp_dir = rig.ino("step_7.tmp")
     rig.fs.rename(tmp_dir, b".metadata.tmp", tmp_dir, b".metadata")
     await trio.sleep(0.7)  # some uploads in flight under the old names
@@ -159,27 +161,27 @@ async def test_dcp_renames_end_with_one_copy(rig: Rig, autojump_clock: trio.abc.
 
 
 async def test_rename_unlink_overwrite_truncate_reach_the_store(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
-    rig.write("a", b"A" * 10)
-    rig.write("d/b", b"B")
-    rig.write("d/e/c", b"C")
+    await rig.write("a", b"A" * 10)
+    await rig.write("d/b", b"B")
+    await rig.write("d/e/c", b"C")
     await rig.settle()
     rig.fs.rename(ROOT, b"a", ROOT, b"a2")
     rig.fs.rename(ROOT, b"d", ROOT, b"d2")
-    rig.write("over", b"old")
+    await rig.write("over", b"old")
     await rig.settle()
-    rig.write("over", b"new content")
-    rig.fs.setattr(rig.ino("a2"), size=3)
+    await rig.write("over", b"new content")
+    await rig.fs.setattr(rig.ino("a2"), size=3)
     rig.fs.unlink(rig.ino("d2"), b"b")
     await rig.settle()
     assert rig.files() == {"a2": b"AAA", "d2/e/c": b"C", "over": b"new content"}
     assert {k for k in rig.objects if k.endswith("/")} == {"d2/", "d2/e/"}
     # rename over an existing committed file, and an exchange
-    rig.write("x", b"X")
-    rig.write("y", b"Y")
+    await rig.write("x", b"X")
+    await rig.write("y", b"Y")
     await rig.settle()
     rig.fs.rename(ROOT, b"x", ROOT, b"y")
-    rig.write("p", b"P")
-    rig.write("q", b"Q")
+    await rig.write("p", b"P")
+    await rig.write("q", b"Q")
     await rig.settle()
     rig.fs.rename(ROOT, b"p", ROOT, b"q", RENAME_EXCHANGE)
     await rig.settle()
@@ -206,7 +208,7 @@ async def test_outage_delays_but_loses_nothing(rig: Rig, autojump_clock: trio.ab
     rig.tier.down = True
     datas = {f"step_{i}/m.pt": os.urandom(1000 + i) for i in range(5)}
     for path, data in datas.items():
-        rig.write(path, data)  # acknowledged while the store is down
+        await rig.write(path, data)  # acknowledged while the store is down
     await trio.sleep(60)
     assert rig.files() == {}
     assert rig.uploader.failed()
@@ -218,14 +220,14 @@ async def test_outage_delays_but_loses_nothing(rig: Rig, autojump_clock: trio.ab
 
 async def test_reopen_cancels_the_old_upload(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
     rig.tier.bandwidth = 100_000
-    ino = rig.write("big", b"1" * 1_000_000)
+    ino = await rig.write("big", b"1" * 1_000_000)
     await trio.sleep(1)  # the upload is in flight (10 s at this bandwidth)
     assert rig.fs.getattr(ino).state is State.UPLOADING
-    fh = rig.fs.open(ino, os.O_WRONLY)
+    fh = await rig.fs.open(ino, os.O_WRONLY)
     assert rig.fs.getattr(ino).state is State.OPEN
     await trio.sleep(20)
     assert "big" not in rig.objects  # never published while open
-    rig.fs.write(fh, 0, b"2")
+    await rig.fs.write(fh, 0, b"2")
     rig.fs.release(fh)
     await rig.settle()
     assert rig.objects["big"].body == b"2" + b"1" * 999_999
@@ -233,7 +235,7 @@ async def test_reopen_cancels_the_old_upload(rig: Rig, autojump_clock: trio.abc.
 
 async def test_unlink_during_upload_leaves_nothing(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
     rig.tier.bandwidth = 100_000
-    rig.write("gone", b"g" * 500_000)
+    await rig.write("gone", b"g" * 500_000)
     await trio.sleep(1)
     rig.fs.unlink(ROOT, b"gone")
     await rig.settle()
@@ -251,7 +253,7 @@ async def test_replay_requeues_staged_and_uploading(
     fs = Filesystem(journal, staging)
     fs.start()
     fh, row = fs.create(ROOT, b"f", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
-    fs.write(fh, 0, b"payload")
+    await fs.write(fh, 0, b"payload")
     fs.release(fh)
     row.state = State.UPLOADING  # the daemon died mid-upload
     fs.ns.persist(row)
@@ -274,3 +276,63 @@ async def test_replay_requeues_staged_and_uploading(
     assert fs.getattr(row.ino).state is State.COMMITTED
     journal.close()
     staging.close()
+
+
+async def read_path(rig: Rig, path: str) -> bytes:
+    fh = await rig.fs.open(rig.ino(path), os.O_RDONLY)
+    try:
+        return rig.fs.read(fh, 0, 1 << 30)
+    finally:
+        rig.fs.release(fh)
+
+
+async def test_full_staging_evicts_then_waits_never_drops(
+    rig: Rig, autojump_clock: trio.abc.Clock
+) -> None:
+    rig.fs.space.max_bytes = 1_000_000
+    rig.tier.bandwidth = 200_000  # uploads are what frees room
+    datas = {f"step_{i}/model.pt": os.urandom(300_000) for i in range(8)}
+    start = trio.current_time()
+    for path, data in datas.items():
+        await rig.write(path, data)  # waits for room instead of failing
+    assert trio.current_time() - start >= 2  # writers did wait for uploads
+    assert rig.fs.stall_seconds > 0
+    await rig.settle()
+    assert rig.files() == datas
+    states = {p: rig.fs.getattr(rig.ino(p)).state for p in datas}
+    assert State.REMOTE in states.values()  # some local copies were evicted...
+    assert rig.fs.space.used <= 1_000_000
+    for path, data in datas.items():  # ...and every file still reads back whole
+        assert await read_path(rig, path) == data
+    assert rig.fs.getxattr(rig.ino("step_7/model.pt"), b"user.ckptfs.state") == b"committed"
+
+
+async def test_full_staging_and_store_down_gives_enospc(
+    rig: Rig, autojump_clock: trio.abc.Clock
+) -> None:
+    rig.fs.space.max_bytes = 500_000
+    rig.fs.write_stall_timeout = 30
+    rig.tier.down = True
+    await rig.write("a", os.urandom(400_000))
+    with pytest.raises(errors.StagingFull):
+        await rig.write("b", os.urandom(400_000))
+    rig.tier.down = False
+    await rig.settle()
+    assert "a" in rig.files()
+
+
+async def test_corrupt_store_copy_is_never_served(
+    rig: Rig, autojump_clock: trio.abc.Clock
+) -> None:
+    await rig.write("m.pt", os.urandom(50_000))
+    await rig.settle()
+    ino = rig.ino("m.pt")
+    rig.fs.evict(rig.fs.getattr(ino))
+    rig.tier.corrupt_reads = True
+    with pytest.raises(errors.ChecksumMismatch):
+        await rig.fs.open(ino, os.O_RDONLY)
+    assert rig.fs.getattr(ino).state is State.REMOTE
+    rig.tier.corrupt_reads = False
+    fh = await rig.fs.open(ino, os.O_RDONLY)
+    rig.fs.release(fh)
+    assert rig.fs.getattr(ino).state is State.COMMITTED

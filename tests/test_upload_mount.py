@@ -1,0 +1,504 @@
+"""Real-mount acceptance tests of stage 2 (upload) with the warm tier on S3 over real HTTP.
+
+Each test mounts ckptfs for real (``mounter``; the daemon is another process) with a TOML
+config whose warm tier is ``s3://<bucket>/run1`` on moto's HTTP server (``s3_server``), often
+slowed down or taken down by the tier's ``faults`` table, and checks the bucket through boto3:
+bytes, ``x-amz-meta-ckptfs-*`` metadata, the order in which objects appear, and that the
+listing ends up exactly equal to the mount's tree.
+
+tests/test_upload.py checks the same rules without a mount (memory tier, virtual clock).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import pytest
+
+from tests.mounting import Mount, Mounter, ckptfs, is_mounted
+from tests.s3server import S3Server
+
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
+
+MiB = 1024 * 1024
+PART_SIZE = 5 * MiB  # the S3 minimum: anything larger goes multipart
+PREFIX = "run1/"
+
+
+# ---------------------------------------------------------------------------------------------
+# the bucket side
+
+
+@dataclass
+class Bucket:
+    """One fresh bucket on the moto server, seen the way a reader of the store sees it."""
+
+    server: S3Server
+    name: str
+    client: Any = None
+
+    def __post_init__(self) -> None:
+        self.client = self.server.client()
+
+    def config(self, path: Path, *, faults: dict[str, Any] | None = None,
+               upload_concurrency: int = 4, part_concurrency: int = 4) -> Path:
+        """A config file: hot tier + this bucket as the warm tier (optionally faulty)."""
+        lines = [
+            f"upload_concurrency = {upload_concurrency}",
+            "",
+            "[[tier]]",
+            'name = "hot"',
+            "",
+            "[[tier]]",
+            'name = "warm"',
+            f'url = "s3://{self.name}/{PREFIX.rstrip("/")}"',
+            f'endpoint_url = "{self.server.endpoint}"',
+            f"part_size = {PART_SIZE}",
+            f"part_concurrency = {part_concurrency}",
+        ]
+        if faults:
+            lines += ["", "[tier.faults]"]
+            lines += [f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}"
+                      for k, v in faults.items()]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def sizes(self, client: Any = None) -> dict[str, int]:
+        """Every object under the prefix (key relative to it -> size), one full listing."""
+        client = client or self.client
+        out: dict[str, int] = {}
+        for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.name, Prefix=PREFIX):
+            for obj in page.get("Contents", []):
+                out[obj["Key"][len(PREFIX):]] = int(obj["Size"])
+        return out
+
+    def get(self, key: str, client: Any = None) -> tuple[bytes, dict[str, str], str]:
+        """Body, user metadata and ETag of ``key``."""
+        reply = (client or self.client).get_object(Bucket=self.name, Key=PREFIX + key)
+        return reply["Body"].read(), reply.get("Metadata", {}), reply["ETag"].strip('"')
+
+    def multipart_uploads(self) -> list[str]:
+        reply = self.client.list_multipart_uploads(Bucket=self.name, Prefix=PREFIX)
+        return [u["Key"] for u in reply.get("Uploads", [])]
+
+    def empty(self) -> None:
+        for u in self.client.list_multipart_uploads(Bucket=self.name).get("Uploads", []):
+            self.client.abort_multipart_upload(Bucket=self.name, Key=u["Key"],
+                                               UploadId=u["UploadId"])
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name):
+            for obj in page.get("Contents", []):
+                self.client.delete_object(Bucket=self.name, Key=obj["Key"])
+        self.client.delete_bucket(Bucket=self.name)
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server) -> Iterator[Bucket]:
+    b = Bucket(s3_server, s3_server.new_bucket())
+    yield b
+    try:
+        b.empty()  # moto keeps every object in this process's memory
+    except Exception:  # noqa: BLE001 - best effort (the server may be down after a failure)
+        pass
+
+
+def crc(data: bytes) -> str:
+    return f"crc32c:{crc32c.crc32c(data):08x}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the mount side
+
+
+def mount_tree(root: Path) -> dict[str, tuple[str, bytes]]:
+    """The mount as a store should hold it: key -> (kind, body).
+
+    Files are ``path`` -> ("file", bytes); directories ``path/`` -> ("dir", b""); symlinks
+    ``path`` -> ("symlink", target).
+    """
+    out: dict[str, tuple[str, bytes]] = {}
+
+    def walk(d: Path, rel: str) -> None:
+        for entry in os.scandir(d):
+            key = rel + entry.name
+            if entry.is_symlink():
+                out[key] = ("symlink", os.fsencode(os.readlink(entry.path)))
+            elif entry.is_dir():
+                out[key + "/"] = ("dir", b"")
+                walk(Path(entry.path), key + "/")
+            else:
+                out[key] = ("file", Path(entry.path).read_bytes())
+
+    walk(root, "")
+    return out
+
+
+def assert_store_equals_mount(m: Mount, b: Bucket) -> dict[str, tuple[str, bytes]]:
+    """The bucket holds exactly the mount's tree: same keys, bytes, kinds, checksums."""
+    want = mount_tree(m.path)
+    have = b.sizes()
+    assert not [k for k in have if ".ckptfs-tmp" in k], have
+    assert sorted(have) == sorted(want), (
+        f"only in the store: {sorted(set(have) - set(want))}; "
+        f"only on the mount: {sorted(set(want) - set(have))}")
+    for key, (kind, body) in want.items():
+        data, meta, _ = b.get(key)
+        assert meta.get("ckptfs-kind") == kind, (key, meta)
+        assert data == body, f"{key}: store holds {len(data)} bytes, mount {len(body)}"
+        if kind == "file":
+            assert meta.get("ckptfs-checksum") == crc(body), (key, meta)
+            assert m.state(key) == "committed", key
+    assert b.multipart_uploads() == []
+    return want
+
+
+def sync(m: Mount, *args: str, timeout: float = 150) -> float:
+    """``ckptfs sync MP``; returns how long it took."""
+    t0 = time.monotonic()
+    ckptfs("sync", m.path, *args, timeout=timeout)
+    return time.monotonic() - t0
+
+
+def status(m: Mount) -> dict[str, Any]:
+    return json.loads(ckptfs("status", m.path, "--json").stdout)  # type: ignore[no-any-return]
+
+
+def write(path: Path, data: bytes) -> float:
+    """Create/overwrite ``path`` (parents made) and close it; returns how long it took."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(path, "wb") as f:
+        f.write(data)
+    return time.monotonic() - t0
+
+
+def wait_for(what: str, predicate: Any, timeout: float = 20, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. torch.save returns before the upload is done; sync makes the store byte-identical
+
+
+@pytest.mark.torch
+def test_torch_save_returns_before_upload(mounter: Mounter, bucket: Bucket,
+                                          tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    bandwidth = 20_000_000  # 20 MB/s: a 64 MiB checkpoint needs > 3 s to reach the store
+    m = mounter("torch", config=bucket.config(tmp_path / "c.toml",
+                                              faults={"bandwidth": bandwidth}))
+    names = [f"ckpt_step_{step}.pt" for step in (100, 200, 300)]
+    tensors = {}
+    for step, name in zip((100, 200, 300), names, strict=True):
+        tensors[name] = torch.randn(16 * MiB)  # 64 MiB of float32
+        t0 = time.monotonic()
+        torch.save({"step": step, "weights": tensors[name]}, m.path / name)
+        took = time.monotonic() - t0
+        # Right after torch.save returned, the upload has not finished (nor, at this
+        # bandwidth, could it have): the object is not in the bucket, the file not committed.
+        state = m.state(name)
+        listed = bucket.sizes()
+        assert state in ("staged", "uploading"), (name, state)
+        assert name not in listed, f"{name} already in the store: {listed}"
+        assert took < (64 * MiB) / bandwidth, f"torch.save took {took:.1f}s"
+    assert all(m.state(n) != "committed" for n in names[-1:])
+
+    sync(m)
+    for name in names:
+        assert m.state(name) == "committed"
+        local = (m.path / name).read_bytes()
+        data, meta, etag = bucket.get(name)
+        assert data == local
+        assert meta["ckptfs-checksum"] == crc(data)
+        assert meta["ckptfs-kind"] == "file"
+        assert etag.endswith(f"-{-(-len(data) // PART_SIZE)}"), f"not multipart: {etag}"
+        loaded = torch.load(io.BytesIO(data), weights_only=True)
+        assert torch.equal(loaded["weights"], tensors[name])
+    assert_store_equals_mount(m, bucket)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. commit markers appear on the store only after what they refer to
+
+
+SHARDS = 4
+
+
+@dataclass
+class MarkerPoller:
+    """Lists the bucket over and over while uploads run, and records every violation."""
+
+    bucket: Bucket
+    steps: dict[str, dict[str, int]]  # step dir -> {shard key: full size}, filled before writing
+    observations: int = 0
+    seen_metadata: set[str] = field(default_factory=set)
+    seen_latest: set[str] = field(default_factory=set)
+    violations: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def check_step(self, step: str, listing: dict[str, int], why: str) -> None:
+        shards = self.steps.get(step)
+        if shards is None:
+            self.violations.append(f"{why}: unknown step {step!r}")
+            return
+        for key, size in shards.items():
+            if listing.get(key) != size:
+                self.violations.append(
+                    f"{why}: {key} is {listing.get(key, 'missing')} (want {size} bytes); "
+                    f"listing: {sorted(listing)}")
+
+    def run(self) -> None:
+        client = self.bucket.server.client()
+        while not self.stop.is_set():
+            try:
+                listing = self.bucket.sizes(client)
+                for key in listing:
+                    if key.endswith("/.metadata"):
+                        step = key.rsplit("/", 1)[0]
+                        self.seen_metadata.add(step)
+                        self.check_step(step, listing, f"{key} listed")
+                if "latest" in listing:
+                    body, _, _ = self.bucket.get("latest", client)
+                    step = body.decode(errors="replace").strip()
+                    self.seen_latest.add(step)
+                    # 'latest' named step at the time of the get; the marker and every shard
+                    # it refers to were committed before it, so a listing made now holds them.
+                    after = self.bucket.sizes(client)
+                    if f"{step}/.metadata" not in after:
+                        self.violations.append(
+                            f"latest names {step!r} but {step}/.metadata is not in the store; "
+                            f"listing: {sorted(after)}")
+                    else:
+                        self.check_step(step, after, f"latest = {step!r}")
+                self.observations += 1
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                time.sleep(0.05)
+
+
+def test_markers_appear_after_their_shards(mounter: Mounter, bucket: Bucket,
+                                           tmp_path: Path) -> None:
+    m = mounter("markers", config=bucket.config(
+        tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": 6_000_000}))
+    steps: dict[str, dict[str, int]] = {}
+    poller = MarkerPoller(bucket, steps)
+    thread = threading.Thread(target=poller.run, daemon=True)
+    thread.start()
+    try:
+        for n in (10, 20, 30):
+            step = f"step_{n}"
+            # different sizes; the largest ones go multipart
+            sizes = {f"{step}/__{r}_0.distcp": (1 + 2 * r) * MiB + 1000 * n + r
+                     for r in range(SHARDS)}
+            steps[step] = sizes
+            for key, size in sizes.items():
+                write(m.path / key, os.urandom(size))
+            write(m.path / step / ".metadata", b"dcp metadata of " + step.encode())
+            write(m.path / "latest", step.encode())
+        sync(m)
+        time.sleep(0.3)  # a few more observations of the final state
+    finally:
+        poller.stop.set()
+        thread.join(30)
+    assert not poller.errors, poller.errors[:5]
+    assert not poller.violations, "\n".join(poller.violations[:10])
+    assert poller.observations >= 30, poller.observations
+    # The poller saw the store while it was changing, not only the end state.
+    assert poller.seen_metadata == set(steps)
+    assert len(poller.seen_latest) >= 2, poller.seen_latest
+    assert bucket.get("latest")[0] == b"step_30"
+    assert_store_equals_mount(m, bucket)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. an outage of the store delays uploads, never writes, and loses nothing
+
+
+def test_outage_down_file(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
+    down = tmp_path / "store-is-down"
+    m = mounter("down", config=bucket.config(tmp_path / "c.toml", faults={"down_file": down}))
+    down.touch()
+    t_down = time.monotonic()
+    datas = {f"step_{i}/model.pt": os.urandom(100_000 * i) for i in range(1, 5)}
+    datas["big.pt"] = os.urandom(12 * MiB)  # multipart
+    for rel, data in datas.items():
+        took = write(m.path / rel, data)
+        assert took < 2.0, f"writing {rel} took {took:.1f}s while the store was down"
+    report = wait_for("failed uploads in 'ckptfs status'",
+                      lambda: (s := status(m))["failed"] and s)
+    assert report["retries"] >= 1
+    assert any("outage" in (f["error"] or "") for f in report["failed"]), report["failed"]
+    assert report["queue"]["files"] == len(datas)
+    assert bucket.sizes() == {}
+    assert all(m.state(rel) in ("staged", "uploading") for rel in datas)
+    # A short outage: the next retries are a few seconds away at most.
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - t_down)))
+    down.unlink()
+    took = sync(m, "--timeout", "120")
+    assert took < 60, f"sync took {took:.0f}s after a 2s outage"
+    for rel, data in datas.items():
+        assert bucket.get(rel)[0] == data
+    assert_store_equals_mount(m, bucket)
+    assert status(m)["failed"] == []
+
+
+def test_outage_server_stopped(mounter: Mounter, bucket: Bucket, s3_server: S3Server,
+                               tmp_path: Path) -> None:
+    m = mounter("stopped", config=bucket.config(tmp_path / "c.toml"))
+    (m.path / "warmup").write_bytes(b"ok")
+    sync(m)  # the daemon has a live connection to the store before it goes away
+    datas = {f"step_{i}/model.pt": os.urandom(200_000 * i) for i in range(1, 4)}
+    datas["big.pt"] = os.urandom(11 * MiB)
+    s3_server.stop()
+    try:
+        t_down = time.monotonic()
+        for rel, data in datas.items():
+            took = write(m.path / rel, data)
+            assert took < 2.0, f"writing {rel} took {took:.1f}s while the store was down"
+        report = wait_for("failed uploads in 'ckptfs status'",
+                          lambda: (s := status(m))["failed"] and s)
+        assert report["retries"] >= 1
+        time.sleep(max(0.0, 2.0 - (time.monotonic() - t_down)))
+    finally:
+        s3_server.start()
+    assert bucket.sizes() == {"warmup": 2}  # nothing landed meanwhile (moto kept its state)
+    took = sync(m, "--timeout", "120")
+    assert took < 60, f"sync took {took:.0f}s after a short outage"
+    for rel, data in datas.items():
+        assert bucket.get(rel)[0] == data
+    assert_store_equals_mount(m, bucket)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. namespace changes after (and during) upload end with the store equal to the mount
+
+
+def test_namespace_changes_reach_the_store(mounter: Mounter, bucket: Bucket,
+                                           tmp_path: Path) -> None:
+    m = mounter("ns", config=bucket.config(
+        tmp_path / "c.toml", faults={"latency": "0.05s", "bandwidth": 8_000_000}))
+    p = m.path
+    write(p / "a", b"A" * 10_000)
+    write(p / "d" / "b", b"B" * 100)
+    write(p / "d" / "e" / "c", b"C" * 7 * MiB)  # multipart
+    write(p / "over", b"old content")
+    write(p / "trunc", os.urandom(6 * MiB))
+    write(p / "mode", b"chmod me")
+    write(p / "gone", b"unlink me")
+    write(p / "x", b"X")
+    write(p / "y", b"Y")
+    (p / "empty").mkdir()
+    (p / "rmd").mkdir()
+    os.symlink("step_1", p / "latest")
+    os.symlink("nowhere/at/all", p / "dangling")
+    sync(m)
+    assert_store_equals_mount(m, bucket)
+
+    # after commit: rename a file and a tree, overwrite, truncate, chmod, unlink, rmdir,
+    # rename over an existing file, retarget a symlink
+    os.rename(p / "a", p / "a2")
+    os.rename(p / "d", p / "d2")
+    write(p / "over", b"new and longer content")
+    os.truncate(p / "trunc", 100_000)
+    os.chmod(p / "mode", 0o600)
+    os.unlink(p / "gone")
+    os.rmdir(p / "rmd")
+    os.rename(p / "x", p / "y")
+    os.unlink(p / "latest")
+    os.symlink("step_2", p / "latest")
+
+    # 'step_1.tmp/' holds committed files and one still uploading when it is renamed
+    write(p / "step_1.tmp" / "__0_0.distcp", os.urandom(300_000))
+    write(p / "step_1.tmp" / "__1_0.distcp", os.urandom(400_000))
+    sync(m)
+    write(p / "step_1.tmp" / "__2_0.distcp", os.urandom(9 * MiB))  # > 1 s at this bandwidth
+    write(p / "step_1.tmp" / ".metadata.tmp", b"meta of step 1")
+    os.rename(p / "step_1.tmp" / ".metadata.tmp", p / "step_1.tmp" / ".metadata")
+    time.sleep(0.3)
+    assert m.state("step_1.tmp/__2_0.distcp") in ("staged", "uploading")
+    os.rename(p / "step_1.tmp", p / "step_1")
+
+    # DCP's own pattern, renamed while the shards are still uploading
+    for r in range(2):
+        write(p / "step_2" / f"__{r}_0.distcp", os.urandom(2 * MiB + r))
+    write(p / "step_2" / ".metadata.tmp", b"meta of step 2")
+    os.rename(p / "step_2" / ".metadata.tmp", p / "step_2" / ".metadata")
+
+    sync(m)
+    tree = assert_store_equals_mount(m, bucket)
+    assert tree["y"] == ("file", b"X")
+    assert tree["trunc"][1] == (p / "trunc").read_bytes() and len(tree["trunc"][1]) == 100_000
+    assert bucket.get("mode")[1]["ckptfs-mode"] == "600"
+    assert bucket.get("latest")[0] == b"step_2"
+    assert bucket.get("step_1/.metadata")[0] == b"meta of step 1"
+    assert "step_1.tmp/" not in bucket.sizes()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. umount waits for the queue; umount --no-wait leaves it in the journal for the next mount
+
+
+def test_umount_waits_for_uploads(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
+    bandwidth = 10_000_000
+    m = mounter("umount", config=bucket.config(
+        tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": bandwidth}))
+    datas = {f"step_5/__{r}_0.distcp": os.urandom(3 * MiB + r) for r in range(4)}
+    datas["step_5/.metadata"] = b"meta"
+    datas["latest"] = b"step_5"
+    for rel, data in datas.items():
+        write(m.path / rel, data)
+    assert "latest" not in bucket.sizes()
+    t0 = time.monotonic()
+    m.umount()
+    took = time.monotonic() - t0
+    assert not is_mounted(m.path)
+    assert took >= 3 * MiB / bandwidth, f"umount returned after {took:.2f}s"
+    for rel, data in datas.items():
+        assert bucket.get(rel)[0] == data, rel
+    assert sorted(bucket.sizes()) == sorted([*datas, "step_5/"])
+
+
+def test_umount_no_wait_keeps_the_queue(mounter: Mounter, bucket: Bucket,
+                                        tmp_path: Path) -> None:
+    bandwidth = 4_000_000
+    m = mounter("nowait", config=bucket.config(
+        tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": bandwidth}))
+    datas = {f"step_7/__{r}_0.distcp": os.urandom(6 * MiB + r) for r in range(3)}
+    datas["step_7/.metadata"] = b"meta"
+    datas["latest"] = b"step_7"
+    for rel, data in datas.items():
+        write(m.path / rel, data)
+    t0 = time.monotonic()
+    ckptfs("umount", m.path, "--no-wait")
+    took = time.monotonic() - t0
+    assert not is_mounted(m.path)
+    assert took < 6 * MiB / bandwidth, f"umount --no-wait took {took:.1f}s"
+    landed = bucket.sizes()
+    assert not set(datas) <= set(landed), "everything landed: --no-wait proved nothing"
+    assert "latest" not in landed and "step_7/.metadata" not in landed
+    assert bucket.multipart_uploads() == []  # the uploads cut short were aborted
+
+    m.remount()
+    # What had not landed is queued again from the journal.
+    assert all(m.state(rel) in ("staged", "uploading") for rel in datas if rel not in landed)
+    sync(m)
+    for rel, data in datas.items():
+        assert bucket.get(rel)[0] == data, rel
+    assert_store_equals_mount(m, bucket)
