@@ -99,6 +99,9 @@ class FaultConfig(_Strict):
     bandwidth: int | None = Field(default=None, ge=1)  # bytes per second
     fail_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     down_file: Path | None = None  # the store is "down" while this file exists
+    # Crash drills: SIGKILL the daemon right after this many successful file uploads, before
+    # the journal records them.
+    kill_after_puts: int | None = Field(default=None, ge=1)
 
 
 class TierConfig(_Strict):

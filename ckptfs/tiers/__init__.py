@@ -17,7 +17,8 @@ def open_tier(config: TierConfig) -> Tier:
 
         f = config.faults
         tier = FaultyTier(tier, latency=f.latency.total_seconds(), bandwidth=f.bandwidth,
-                          fail_ratio=f.fail_ratio, down_file=f.down_file)
+                          fail_ratio=f.fail_ratio, down_file=f.down_file,
+                          kill_after_puts=f.kill_after_puts)
     return tier
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class FaultyTier(Tier):
     def __init__(
         self, inner: Tier, *, latency: float = 0.0, bandwidth: float | None = None,
         fail_ratio: float = 0.0, down_file: Path | None = None, seed: int = 0,
+        kill_after_puts: int | None = None,
     ) -> None:
         super().__init__(inner.name, inner.url)
         self.inner = inner
@@ -38,6 +40,8 @@ class FaultyTier(Tier):
         self.corrupt_reads = False
         self.calls: Counter[str] = Counter()
         self.bytes_read = 0
+        self.kill_after_puts = kill_after_puts
+        self.puts_done = 0
         self._random = random.Random(seed)
 
     def is_down(self) -> bool:
@@ -76,6 +80,9 @@ class FaultyTier(Tier):
         await self._gate("put_file")
         await self._throttle(size)
         await self.inner.put_file(key, source, size, meta, progress)
+        self.puts_done += 1
+        if self.kill_after_puts is not None and self.puts_done >= self.kill_after_puts:
+            os.kill(os.getpid(), signal.SIGKILL)  # the object is stored, the journal not told
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         await self._gate("put_entry")
