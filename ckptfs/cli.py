@@ -205,13 +205,13 @@ def umount(
     if entry.fstype != FSTYPE:
         raise UserError(f"{mountpoint} is not a ckptfs mount (it is {entry.fstype})")
     info = client.daemon_info(Path(entry.mountpoint))
-    if wait and info is not None:
-        if not _sync_with_progress(entry.mountpoint, "", timeout, "uploading before unmount"):
-            raise UserError(
-                f"uploads to the store did not finish within {timeout:.0f}s; not unmounted "
-                "(see 'ckptfs status', or use --no-wait)", exit_code=1)
+    if wait and info is not None and not _sync_with_progress(
+            entry.mountpoint, "", timeout, "uploading before unmount"):
+        raise UserError(
+            f"uploads to the store did not finish within {timeout:.0f}s; not unmounted "
+            "(see 'ckptfs status', or use --no-wait)", exit_code=1)
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [entry.mountpoint]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
         if "busy" in reason.lower():
@@ -238,8 +238,14 @@ def sync(
 
 
 def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: str) -> bool:
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     columns = (TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))

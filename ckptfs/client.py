@@ -48,9 +48,9 @@ def locate(path: Path) -> tuple[MountEntry, str]:
     best: MountEntry | None = None
     for entry in ckptfs_mounts():
         root = entry.mountpoint.rstrip("/") or "/"
-        if target == root or target.startswith(root.rstrip("/") + "/"):
-            if best is None or len(root) > len(best.mountpoint):
-                best = entry
+        inside = target == root or target.startswith(root.rstrip("/") + "/")
+        if inside and (best is None or len(root) > len(best.mountpoint)):
+            best = entry
     if best is None:
         raise UserError(f"{path} is not on a ckptfs mount")
     rel = os.path.relpath(target, best.mountpoint)

@@ -54,7 +54,9 @@ class ControlServer:
         sock.listen(16)
         listener = trio.SocketListener(sock)
         try:
-            await trio.serve_listeners(self._handle, [listener], task_status=task_status)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, self._handle, [listener])
+                task_status.started()
         finally:
             try:
                 self.path.unlink()

@@ -30,13 +30,13 @@ import trio
 
 from ckptfs.errors import (
     BadHandle,
-    NotFound,
-    StagingFull,
-    StoreUnavailable,
     InvalidArgument,
     IsADirectory,
     NoSuchAttribute,
+    NotFound,
     NotPermitted,
+    StagingFull,
+    StoreUnavailable,
     Unsupported,
 )
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
@@ -337,7 +337,7 @@ class Filesystem:
             RENAME_NOREPLACE | RENAME_EXCHANGE
         ):
             raise InvalidArgument(f"rename flags {flags:#x}")
-        src = self.ns.lookup(old_parent, old_name)
+        self.ns.lookup(old_parent, old_name)  # ENOENT before anything changes
         try:
             dst: Row | None = self.ns.lookup(new_parent, new_name)
         except NotFound:

@@ -78,7 +78,7 @@ def _caller(ctx: pyfuse3.RequestContext) -> Caller:
     return Caller(ctx.uid, ctx.gid, ctx.umask)
 
 
-class FuseOps(pyfuse3.Operations):  # type: ignore[misc]
+class FuseOps(pyfuse3.Operations):
     """pyfuse3 handlers over a ``Filesystem``."""
 
     supports_dot_lookup = True

@@ -147,8 +147,7 @@ class Namespace:
 
     def note_write(self, row: Row, end: int) -> None:
         """A write() ended at byte ``end``: update size and mtime in memory only."""
-        if end > row.size:
-            row.size = end
+        row.size = max(row.size, end)
         row.mtime_ns = row.ctime_ns = time.time_ns()
         self._dirty.add(row.ino)
 

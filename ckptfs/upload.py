@@ -201,7 +201,7 @@ class Uploader:
             removed = await self.tier.cleanup(keys)
             if removed:
                 log.info("removed %d leftover partial uploads from %s", removed, self.tier.url)
-        except Exception as exc:  # the store may be down: uploads will wait for it anyway
+        except Exception as exc:  # noqa: BLE001 - the store may be down: uploads wait for it
             log.warning("could not clean up leftover uploads on %s: %s", self.tier.url, exc)
         async with trio.open_nursery() as nursery:
             for _ in range(self.concurrency):

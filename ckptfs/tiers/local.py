@@ -19,7 +19,9 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import trio
 
@@ -34,6 +36,7 @@ from ckptfs.tiers.base import (
     TierError,
 )
 
+T = TypeVar("T")
 TMP_MARK = ".ckptfs-tmp."
 CHUNK = 16 * 1024 * 1024
 _XATTR_CHECKSUM = "user.ckptfs.checksum"
@@ -48,7 +51,7 @@ class FileTier(Tier):
         self.root = root
         self._limiter = limiter or trio.CapacityLimiter(8)
 
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         except FileNotFoundError as exc:

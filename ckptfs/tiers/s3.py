@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from ckptfs.tiers.base import (
     TierError,
 )
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_PART_SIZE = 5 * 1024 * 1024
 _TRANSIENT_CODES = {
@@ -210,8 +212,9 @@ class S3Tier(Tier):
                 try:
                     await self._call(self.client.abort_multipart_upload, Bucket=self.bucket,
                                      Key=full, UploadId=upload_id)
-                except Exception:
-                    pass  # cleanup() at the next start aborts it
+                except (StoreUnavailable, TierError, ObjectMissing) as exc:
+                    log.warning("could not abort multipart upload of %s (cleaned up at the "
+                                "next start): %s", full, exc)
             raise
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
