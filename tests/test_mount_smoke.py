@@ -16,10 +16,13 @@ def test_write_remount_read(mounter: Mounter) -> None:
     (m.path / "step_1").mkdir()
     (m.path / "step_1" / "model.pt").write_bytes(b"x" * 100_000)
     os.symlink("step_1", m.path / "latest")
-    assert m.state("step_1/model.pt") == "staged"
-    m.umount()
+    assert m.state("step_1/model.pt") in ("staged", "uploading", "committed")
+    m.umount()  # waits for the uploads
+    assert (m.store / "step_1" / "model.pt").read_bytes() == b"x" * 100_000
+    assert os.readlink(m.store / "latest") == "step_1"
     assert not any(m.path.iterdir())
     m.remount()
     assert (m.path / "step_1" / "model.pt").read_bytes() == b"x" * 100_000
     assert os.readlink(m.path / "latest") == "step_1"
     assert sorted(os.listdir(m.path)) == ["latest", "step_1"]
+    assert m.state("step_1/model.pt") == "committed"
