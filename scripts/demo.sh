@@ -17,5 +17,9 @@ ls -la "$MNT"
 for f in "$MNT"/*; do
     printf '%-40s %s\n' "$(basename "$f")" "$(getfattr --only-values -n user.ckptfs.state "$f" 2>/dev/null)"
 done
+echo "--- waiting for the background uploads, then the warm tier (/var/lib/ckptfs/store):"
+ckptfs sync "$MNT"
+ckptfs status "$MNT"
+ls -la /var/lib/ckptfs/store
 echo "--- resuming from the latest checkpoint:"
 python3 examples/train_demo.py --ckpt-dir "$MNT" --steps 250 --every 50
