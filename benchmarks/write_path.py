@@ -42,6 +42,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -567,7 +568,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="sequential write size in MiB (default 2048, quick 256)")
     ap.add_argument("--torch-size", type=int, metavar="MiB",
                     help="torch.save state dict size in MiB (default 1024, quick 128)")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
+    ap.add_argument("--reps", type=int, help="interleaved repetitions, median taken "
+                    "(default 5, quick 3)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated, from " + ",".join(ALL_CONFIGS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
@@ -585,6 +587,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.seq_bytes = (args.seq_size or (256 if args.quick else 2048)) * MiB
     args.torch_bytes = (args.torch_size or (128 if args.quick else 1024)) * MiB
+    if args.reps is None:
+        args.reps = 3 if args.quick else 5
     if args.quiet_wait is None:
         args.quiet_wait = 0.0 if args.quick else 15.0
     args.configs = [c for c in args.configs.split(",") if c]
@@ -600,8 +604,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that unmount
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args.workdir.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.workdir))
     runs: list[Run] = []

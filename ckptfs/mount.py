@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +85,9 @@ async def serve(
     config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[], None]
 ) -> None:
     """Mount and serve until unmounted or signalled."""
+    # FUSE handlers run on the trio thread and share the GIL with upload threads; a short
+    # switch interval keeps a write() from queueing 5 ms behind a busy upload thread.
+    sys.setswitchinterval(0.0005)
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     try:

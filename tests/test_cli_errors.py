@@ -231,6 +231,7 @@ def test_staging_is_a_file(tmp_path: Path, mnt: Path) -> None:
 
 def test_staging_in_use(tmp_path: Path, mnt: Path, mounter: Mounter) -> None:
     m = mounter()
+    assert m.store is not None
     (m.path / "a").write_bytes(b"a")
     before = sorted(os.listdir(m.staging / "data"))
     done = ckptfs("mount", mnt, "--staging", m.staging, "--store", m.store, check=False)

@@ -300,6 +300,48 @@ def check_tree(m: Mount, exp: Expected) -> None:
         assert out.stdout == "incomplete"
 
 
+def store_tree(store: Path) -> tuple[set[str], set[str]]:
+    """(regular files, symlinks) under ``store``, relative to it."""
+    files: set[str] = set()
+    links: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(store):
+        for name in dirnames + filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), store)
+            if os.path.islink(store / rel):
+                links.add(rel)
+            elif name in filenames:
+                files.add(rel)
+    return files, links
+
+
+def check_store(m: Mount, exp: Expected, *, exactly: bool = False) -> None:
+    """After ``ckptfs sync``: the file tier holds every closed file with the right bytes.
+
+    Files never closed (incomplete) and deleted files are never published. With ``exactly``,
+    nothing else is there either: no copy under a name renamed away, no temporary file.
+    """
+    assert m.store is not None
+    done = ckptfs("sync", m.path, "--timeout", "60", check=False)
+    assert done.returncode == 0, done.stderr
+    files, links = store_tree(m.store)
+    assert set(exp.files) <= files, f"missing from the store: {sorted(set(exp.files) - files)}"
+    never = {rel for rel in files
+             if rel in exp.incomplete or os.path.basename(rel) == "deleted.bin"}
+    assert not never, f"published but never closed, or deleted: {sorted(never)}"
+    if exactly:
+        assert files == set(exp.files), f"stale in the store: {sorted(files - set(exp.files))}"
+        assert links == set(exp.links), f"stale links in the store: {sorted(links)}"
+    for rel, (size, digest, mode, mtime_ns) in exp.files.items():
+        st = os.lstat(m.store / rel)
+        assert (st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (size, mode, mtime_ns), rel
+        assert hashlib.sha256((m.store / rel).read_bytes()).hexdigest() == digest, rel
+        assert m.state(rel) == "committed", rel
+    for rel, target in exp.links.items():
+        assert os.readlink(m.store / rel) == target, rel
+    for rel in exp.dirs:
+        assert (m.store / rel).is_dir(), f"directory {rel} is not in the store"
+
+
 def wait_dead(pid: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -363,12 +405,14 @@ def test_sigkill_while_writing(mounter: Mounter, writers: list[Writer]) -> None:
         m.remount()
         try:
             check_tree(m, exp)
+            check_store(m, exp)
         except AssertionError as exc:
             raise AssertionError(f"round {rnd} ({name}): {exc}") from exc
     # A clean unmount and one more remount keep the same picture.
     m.umount()
     m.remount()
     check_tree(m, exp)
+    check_store(m, exp)
 
 
 def test_fsync_then_kill(mounter: Mounter) -> None:
@@ -418,6 +462,37 @@ def test_kill_right_after_close(mounter: Mounter) -> None:
     assert "incomplete" not in states, states
 
 
+@pytest.mark.xfail(
+    strict=False,  # timing-dependent, though it showed up on every run so far
+    raises=AssertionError,
+    reason="BUG (upload/tiers): after a SIGKILL right after `mv x.tmp x` with uploads in "
+    "flight, remount + sync leave copies under the old name (x.tmp/f) and "
+    ".f.ckptfs-tmp.* temporaries in the store for good",
+)
+def test_kill_during_rename_leaves_one_copy(mounter: Mounter) -> None:
+    """DCP's "write x.tmp/, rename to x/", killed at once: the store ends with x/ only."""
+    m = mounter("rename")
+    assert m.store is not None
+    rng = random.Random(5)
+    exp = Expected()
+    for i in range(3):
+        tmp, final = f"step_{i}.tmp", f"step_{i}"
+        (m.path / tmp).mkdir()
+        for j in range(4):
+            write_file(m.path, f"{tmp}/f{j}", rng.randbytes(100_000 + j))
+            exp.record_file(m.path, f"{tmp}/f{j}")
+        exp.record_dir(m.path, tmp)
+        os.rename(m.path / tmp, m.path / final)
+        exp.rename(tmp, final)
+        m.kill()
+        m.remount()
+        check_tree(m, exp)
+        check_store(m, exp, exactly=True)
+    m.umount()
+    files, _ = store_tree(m.store)
+    assert files == set(exp.files), f"stale in the store: {sorted(files - set(exp.files))}"
+
+
 def test_sigterm_unmounts_cleanly(mounter: Mounter) -> None:
     m = mounter("term")
     rng = random.Random(3)
@@ -462,6 +537,7 @@ def test_umount_stale_mount(mounter: Mounter) -> None:
         os.stat(m.path / "d")
     assert info.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
 
+    assert m.store is not None
     # Mounting over it says what is wrong and what to do.
     done = ckptfs("mount", m.path, "--staging", m.staging, "--store", m.store, check=False)
     assert done.returncode != 0

@@ -11,15 +11,17 @@ tests/test_upload.py checks the same rules without a mount (memory tier, virtual
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import crc32c
 import pytest
@@ -105,10 +107,10 @@ class Bucket:
 def bucket(s3_server: S3Server) -> Iterator[Bucket]:
     b = Bucket(s3_server, s3_server.new_bucket())
     yield b
-    try:
-        b.empty()  # moto keeps every object in this process's memory
-    except Exception:  # noqa: BLE001 - best effort (the server may be down after a failure)
-        pass
+    # moto keeps every object in this process's memory; best effort (after a failure the
+    # server may be down)
+    with contextlib.suppress(Exception):
+        b.empty()
 
 
 def crc(data: bytes) -> str:
@@ -154,8 +156,12 @@ def assert_store_equals_mount(m: Mount, b: Bucket) -> dict[str, tuple[str, bytes
         data, meta, _ = b.get(key)
         assert meta.get("ckptfs-kind") == kind, (key, meta)
         assert data == body, f"{key}: store holds {len(data)} bytes, mount {len(body)}"
+        st = os.lstat(m.path / key.rstrip("/"))
+        if kind != "symlink":
+            assert meta.get("ckptfs-mode") == f"{stat.S_IMODE(st.st_mode):o}", (key, meta)
         if kind == "file":
             assert meta.get("ckptfs-checksum") == crc(body), (key, meta)
+            assert meta.get("ckptfs-mtime-ns") == str(st.st_mtime_ns), (key, meta)
             assert m.state(key) == "committed", key
     assert b.multipart_uploads() == []
     return want
@@ -207,19 +213,17 @@ def test_torch_save_returns_before_upload(mounter: Mounter, bucket: Bucket,
     tensors = {}
     for step, name in zip((100, 200, 300), names, strict=True):
         tensors[name] = torch.randn(16 * MiB)  # 64 MiB of float32
-        t0 = time.monotonic()
         torch.save({"step": step, "weights": tensors[name]}, m.path / name)
-        took = time.monotonic() - t0
         # Right after torch.save returned, the upload has not finished (nor, at this
-        # bandwidth, could it have): the object is not in the bucket, the file not committed.
+        # bandwidth, could it have: it takes > 3 s from close): the object is not in the
+        # bucket, the file is not committed.
         state = m.state(name)
         listed = bucket.sizes()
         assert state in ("staged", "uploading"), (name, state)
         assert name not in listed, f"{name} already in the store: {listed}"
-        assert took < (64 * MiB) / bandwidth, f"torch.save took {took:.1f}s"
-    assert all(m.state(n) != "committed" for n in names[-1:])
 
-    sync(m)
+    took = sync(m)
+    assert took > 1.0, f"sync took {took:.1f}s: the uploads were not slowed down"
     for name in names:
         assert m.state(name) == "committed"
         local = (m.path / name).read_bytes()
@@ -249,6 +253,7 @@ class MarkerPoller:
     observations: int = 0
     seen_metadata: set[str] = field(default_factory=set)
     seen_latest: set[str] = field(default_factory=set)
+    states: set[frozenset[str]] = field(default_factory=set)  # distinct listings seen
     violations: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -266,16 +271,28 @@ class MarkerPoller:
 
     def run(self) -> None:
         client = self.bucket.server.client()
+        latest_seen = False
         while not self.stop.is_set():
             try:
                 listing = self.bucket.sizes(client)
+                self.states.add(frozenset(listing))
                 for key in listing:
                     if key.endswith("/.metadata"):
                         step = key.rsplit("/", 1)[0]
                         self.seen_metadata.add(step)
                         self.check_step(step, listing, f"{key} listed")
+                body = None
                 if "latest" in listing:
-                    body, _, _ = self.bucket.get("latest", client)
+                    try:
+                        body, _, _ = self.bucket.get("latest", client)
+                    except client.exceptions.NoSuchKey:
+                        pass
+                if body is None:
+                    if latest_seen:
+                        # Once a pointer is on the store, a reader must always find one.
+                        self.violations.append(f"'latest' disappeared; listing: {sorted(listing)}")
+                else:
+                    latest_seen = True
                     step = body.decode(errors="replace").strip()
                     self.seen_latest.add(step)
                     # 'latest' named step at the time of the get; the marker and every shard
@@ -292,38 +309,74 @@ class MarkerPoller:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 time.sleep(0.05)
 
+    def __enter__(self) -> Self:
+        self._thread = threading.Thread(target=self.run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self._thread.join(30)
+
+    def check(self, min_observations: int = 30) -> None:
+        assert not self.errors, self.errors[:5]
+        assert not self.violations, (
+            f"{len(self.violations)} violations seen on the store, the first ones:\n"
+            + "\n".join(self.violations[:5]))
+        assert self.observations >= min_observations, self.observations
+
+
+def write_step(m: Mount, steps: dict[str, dict[str, int]], n: int, shard_mib: float) -> str:
+    """A DCP-like checkpoint: shards of different sizes, then ``.metadata`` (a marker)."""
+    step = f"step_{n}"
+    # Known before the first byte is written, so the poller never sees an unknown step.
+    steps[step] = {f"{step}/__{r}_0.distcp": int((1 + 2 * r) * shard_mib * MiB) + 1000 * n + r
+                   for r in range(SHARDS)}
+    for key, size in steps[step].items():
+        write(m.path / key, os.urandom(size))
+    write(m.path / step / ".metadata", b"dcp metadata of " + step.encode())
+    return step
+
 
 def test_markers_appear_after_their_shards(mounter: Mounter, bucket: Bucket,
                                            tmp_path: Path) -> None:
     m = mounter("markers", config=bucket.config(
         tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": 6_000_000}))
     steps: dict[str, dict[str, int]] = {}
-    poller = MarkerPoller(bucket, steps)
-    thread = threading.Thread(target=poller.run, daemon=True)
-    thread.start()
-    try:
+    with MarkerPoller(bucket, steps) as poller:
         for n in (10, 20, 30):
-            step = f"step_{n}"
-            # different sizes; the largest ones go multipart
-            sizes = {f"{step}/__{r}_0.distcp": (1 + 2 * r) * MiB + 1000 * n + r
-                     for r in range(SHARDS)}
-            steps[step] = sizes
-            for key, size in sizes.items():
-                write(m.path / key, os.urandom(size))
-            write(m.path / step / ".metadata", b"dcp metadata of " + step.encode())
-            write(m.path / "latest", step.encode())
+            step = write_step(m, steps, n, shard_mib=1)  # 1, 3, 5 and 7 MiB: some multipart
+            write(m.path / "latest", step.encode())  # rewritten in place
+            time.sleep(0.5)  # training; the uploads of this step are still running
         sync(m)
         time.sleep(0.3)  # a few more observations of the final state
-    finally:
-        poller.stop.set()
-        thread.join(30)
-    assert not poller.errors, poller.errors[:5]
-    assert not poller.violations, "\n".join(poller.violations[:10])
-    assert poller.observations >= 30, poller.observations
+    poller.check()
     # The poller saw the store while it was changing, not only the end state.
     assert poller.seen_metadata == set(steps)
-    assert len(poller.seen_latest) >= 2, poller.seen_latest
+    assert len(poller.states) >= 10, len(poller.states)
     assert bucket.get("latest")[0] == b"step_30"
+    assert_store_equals_mount(m, bucket)
+
+
+def test_pointer_replaced_by_rename_never_leaves_the_store(mounter: Mounter, bucket: Bucket,
+                                                           tmp_path: Path) -> None:
+    """The careful trainer's pointer update, ``latest.tmp`` -> ``latest`` (atomic on the mount):
+    the store always has a ``latest`` once it had one, and it always names a whole step."""
+    m = mounter("pointer", config=bucket.config(
+        tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": 6_000_000}))
+    steps: dict[str, dict[str, int]] = {}
+    step = write_step(m, steps, 1, shard_mib=0.25)
+    write(m.path / "latest", step.encode())
+    sync(m)
+    with MarkerPoller(bucket, steps) as poller:
+        for n in (2, 3):
+            step = write_step(m, steps, n, shard_mib=0.5)
+            write(m.path / "latest.tmp", step.encode())
+            os.rename(m.path / "latest.tmp", m.path / "latest")
+        sync(m)
+        time.sleep(0.3)
+    poller.check(min_observations=10)
+    assert bucket.get("latest")[0] == b"step_3"
     assert_store_equals_mount(m, bucket)
 
 
@@ -340,12 +393,12 @@ def test_outage_down_file(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> N
     datas["big.pt"] = os.urandom(12 * MiB)  # multipart
     for rel, data in datas.items():
         took = write(m.path / rel, data)
-        assert took < 2.0, f"writing {rel} took {took:.1f}s while the store was down"
+        assert took < 5.0, f"writing {rel} took {took:.1f}s while the store was down"
     report = wait_for("failed uploads in 'ckptfs status'",
                       lambda: (s := status(m))["failed"] and s)
     assert report["retries"] >= 1
     assert any("outage" in (f["error"] or "") for f in report["failed"]), report["failed"]
-    assert report["queue"]["files"] == len(datas)
+    assert report["queue"]["files"] >= len(datas)
     assert bucket.sizes() == {}
     assert all(m.state(rel) in ("staged", "uploading") for rel in datas)
     # A short outage: the next retries are a few seconds away at most.
@@ -371,7 +424,7 @@ def test_outage_server_stopped(mounter: Mounter, bucket: Bucket, s3_server: S3Se
         t_down = time.monotonic()
         for rel, data in datas.items():
             took = write(m.path / rel, data)
-            assert took < 2.0, f"writing {rel} took {took:.1f}s while the store was down"
+            assert took < 5.0, f"writing {rel} took {took:.1f}s while the store was down"
         report = wait_for("failed uploads in 'ckptfs status'",
                           lambda: (s := status(m))["failed"] and s)
         assert report["retries"] >= 1
@@ -392,8 +445,9 @@ def test_outage_server_stopped(mounter: Mounter, bucket: Bucket, s3_server: S3Se
 
 def test_namespace_changes_reach_the_store(mounter: Mounter, bucket: Bucket,
                                            tmp_path: Path) -> None:
+    # Every store call takes 0.3 s: what is still in flight when sync returns shows up.
     m = mounter("ns", config=bucket.config(
-        tmp_path / "c.toml", faults={"latency": "0.05s", "bandwidth": 8_000_000}))
+        tmp_path / "c.toml", faults={"latency": "0.3s", "bandwidth": 8_000_000}))
     p = m.path
     write(p / "a", b"A" * 10_000)
     write(p / "d" / "b", b"B" * 100)
@@ -423,17 +477,23 @@ def test_namespace_changes_reach_the_store(mounter: Mounter, bucket: Bucket,
     os.rename(p / "x", p / "y")
     os.unlink(p / "latest")
     os.symlink("step_2", p / "latest")
+    os.chmod(p / "empty", 0o700)
 
     # 'step_1.tmp/' holds committed files and one still uploading when it is renamed
     write(p / "step_1.tmp" / "__0_0.distcp", os.urandom(300_000))
     write(p / "step_1.tmp" / "__1_0.distcp", os.urandom(400_000))
     sync(m)
-    write(p / "step_1.tmp" / "__2_0.distcp", os.urandom(9 * MiB))  # > 1 s at this bandwidth
+    write(p / "step_1.tmp" / "__2_0.distcp", os.urandom(16 * MiB))  # > 2 s at this bandwidth
     write(p / "step_1.tmp" / ".metadata.tmp", b"meta of step 1")
     os.rename(p / "step_1.tmp" / ".metadata.tmp", p / "step_1.tmp" / ".metadata")
-    time.sleep(0.3)
+    # rewritten and removed while their first upload is queued or in flight
+    write(p / "rewritten", os.urandom(6 * MiB))
+    write(p / "removed", os.urandom(6 * MiB))
+    time.sleep(0.1)
     assert m.state("step_1.tmp/__2_0.distcp") in ("staged", "uploading")
     os.rename(p / "step_1.tmp", p / "step_1")
+    write(p / "rewritten", b"second version")
+    os.unlink(p / "removed")
 
     # DCP's own pattern, renamed while the shards are still uploading
     for r in range(2):
@@ -447,8 +507,27 @@ def test_namespace_changes_reach_the_store(mounter: Mounter, bucket: Bucket,
     assert tree["trunc"][1] == (p / "trunc").read_bytes() and len(tree["trunc"][1]) == 100_000
     assert bucket.get("mode")[1]["ckptfs-mode"] == "600"
     assert bucket.get("latest")[0] == b"step_2"
+    assert bucket.get("rewritten")[0] == b"second version"
+    assert bucket.get("empty/")[1]["ckptfs-mode"] == "700"
     assert bucket.get("step_1/.metadata")[0] == b"meta of step 1"
     assert "step_1.tmp/" not in bucket.sizes()
+
+
+def test_sync_waits_for_the_old_directory_to_go(mounter: Mounter, bucket: Bucket,
+                                               tmp_path: Path) -> None:
+    """``mv step_5.tmp step_5; ckptfs sync``: once sync returns, ``step_5.tmp/`` is gone too."""
+    # One worker and slow calls: the old directory's marker is deleted last, well after sync
+    # started (its deletion is queued only once the new directory is on the store).
+    m = mounter("dirmv", config=bucket.config(
+        tmp_path / "c.toml", upload_concurrency=1, faults={"latency": "0.5s"}))
+    write(m.path / "step_5.tmp" / "__0_0.distcp", b"shard")
+    write(m.path / "step_5.tmp" / ".metadata", b"meta")
+    sync(m)
+    assert sorted(bucket.sizes()) == ["step_5.tmp/", "step_5.tmp/.metadata",
+                                      "step_5.tmp/__0_0.distcp"]
+    os.rename(m.path / "step_5.tmp", m.path / "step_5")
+    sync(m)
+    assert_store_equals_mount(m, bucket)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +535,7 @@ def test_namespace_changes_reach_the_store(mounter: Mounter, bucket: Bucket,
 
 
 def test_umount_waits_for_uploads(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
-    bandwidth = 10_000_000
+    bandwidth = 4_000_000  # a shard needs ~0.8 s, 'latest' lands > 1 s after the writes
     m = mounter("umount", config=bucket.config(
         tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": bandwidth}))
     datas = {f"step_5/__{r}_0.distcp": os.urandom(3 * MiB + r) for r in range(4)}
@@ -464,20 +543,18 @@ def test_umount_waits_for_uploads(mounter: Mounter, bucket: Bucket, tmp_path: Pa
     datas["latest"] = b"step_5"
     for rel, data in datas.items():
         write(m.path / rel, data)
-    assert "latest" not in bucket.sizes()
-    t0 = time.monotonic()
+    assert "latest" not in bucket.sizes()  # there is something to wait for
     m.umount()
-    took = time.monotonic() - t0
     assert not is_mounted(m.path)
-    assert took >= 3 * MiB / bandwidth, f"umount returned after {took:.2f}s"
     for rel, data in datas.items():
         assert bucket.get(rel)[0] == data, rel
     assert sorted(bucket.sizes()) == sorted([*datas, "step_5/"])
+    assert bucket.multipart_uploads() == []
 
 
 def test_umount_no_wait_keeps_the_queue(mounter: Mounter, bucket: Bucket,
                                         tmp_path: Path) -> None:
-    bandwidth = 4_000_000
+    bandwidth = 2_000_000  # a shard needs > 3 s
     m = mounter("nowait", config=bucket.config(
         tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": bandwidth}))
     datas = {f"step_7/__{r}_0.distcp": os.urandom(6 * MiB + r) for r in range(3)}
@@ -485,11 +562,8 @@ def test_umount_no_wait_keeps_the_queue(mounter: Mounter, bucket: Bucket,
     datas["latest"] = b"step_7"
     for rel, data in datas.items():
         write(m.path / rel, data)
-    t0 = time.monotonic()
     ckptfs("umount", m.path, "--no-wait")
-    took = time.monotonic() - t0
     assert not is_mounted(m.path)
-    assert took < 6 * MiB / bandwidth, f"umount --no-wait took {took:.1f}s"
     landed = bucket.sizes()
     assert not set(datas) <= set(landed), "everything landed: --no-wait proved nothing"
     assert "latest" not in landed and "step_7/.metadata" not in landed
