@@ -12,6 +12,7 @@ through the same core calls the FUSE handlers use. Secrets never appear in a rep
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import stat
@@ -26,6 +27,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.journal import State
 from ckptfs.upload import Uploader
 
+log = logging.getLogger(__name__)
 SOCKET_NAME = "control.sock"
 PROGRESS_INTERVAL = 0.25
 
@@ -137,6 +139,15 @@ class ControlServer:
             if total is None:
                 total = remaining
             outstanding = self.uploader.outstanding(upto)
+            if pending and not self.uploader.outstanding():
+                # Staged files with no work item would make sync wait forever: a bug, but
+                # not one the user should pay for. Queue them and say so.
+                log.error("%d staged files were not queued for upload; queueing them now",
+                          len(pending))
+                for row in self.fs.journal.rows_in_states(State.STAGED, State.UPLOADING):
+                    self.uploader.inode_changed(row.ino)
+                upto = self.uploader.last_seq()
+                outstanding = self.uploader.outstanding(upto)
             if path is None:
                 done = not outstanding and not pending
             else:

@@ -168,6 +168,13 @@ class Filesystem:
         self.ns.replay_fixups()
         with self.journal.transaction():
             for row in self.journal.rows_in_states(State.OPEN):
+                if row.closed_at is not None and not row.incomplete:
+                    # Closed (flushed by its last writer) just before the crash.
+                    actual = self.staging.file_size(row.ino)
+                    row.size = actual if actual is not None else row.size
+                    row.state = State.STAGED
+                    self.journal.update(row)
+                    continue
                 if not row.incomplete:
                     row.incomplete = True
                     actual = self.staging.file_size(row.ino)
@@ -418,6 +425,8 @@ class Filesystem:
         self.ns.remember(row.ino)
         if writable:
             self._writers[row.ino] = 1
+        else:
+            self.listener.inode_changed(row.ino)  # created empty and closed: upload it
         return self._new_handle(row, self.staging.acquire(row.ino), writable), row
 
     def _new_handle(self, row: Row, fd: int, writable: bool) -> int:
@@ -441,6 +450,7 @@ class Filesystem:
             self._modify_data(row)
             row.state = State.OPEN
             row.incomplete = False
+            row.closed_at = None
             self.ns.persist(row)
 
     def _end_write(self, row: Row) -> None:
@@ -477,6 +487,9 @@ class Filesystem:
         if not handle.writable or handle.fd is None:
             raise BadHandle("file not open for writing")
         row = self.ns.get(handle.ino)
+        if row.closed_at is not None and row.state is State.OPEN:
+            row.closed_at = None  # written after a close(2) of another descriptor: still open
+            self.ns.persist(row)
         growth = offset + len(data) - row.size
         if growth > 0 and not self.space.try_take(growth):
             await self._reserve(growth)
@@ -555,10 +568,20 @@ class Filesystem:
             self.ns.persist(row)
 
     def flush(self, fh: int) -> None:
-        """close() of one file descriptor: make size/mtime visible in the journal."""
+        """close() of one file descriptor: make size/mtime visible in the journal.
+
+        The kernel sends FLUSH inside close(2) but RELEASE only after close(2) returned; a
+        crash in between must not turn a closed file into an incomplete one. So the last
+        writer's flush records ``closed_at`` (the file stays OPEN for the uploader until
+        release); a write after it clears it again; replay treats OPEN + closed_at as closed.
+        """
         handle = self._handle(fh)
-        if self.ns.is_dirty(handle.ino):
-            self.ns.persist(self.ns.get(handle.ino))
+        row = self.ns.get(handle.ino)
+        if handle.writable and self._writers.get(handle.ino) == 1 and row.state is State.OPEN:
+            row.closed_at = time.time()
+            self.ns.persist(row)
+        elif self.ns.is_dirty(handle.ino):
+            self.ns.persist(row)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self._handle(fh)

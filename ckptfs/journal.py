@@ -26,7 +26,6 @@ Invariants:
 from __future__ import annotations
 
 import enum
-import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -73,6 +72,9 @@ class Row:
     # The key of the committed copy on the warm tier (directories end in "/"); it differs from
     # the path while a rename is being carried to the store.
     remote_key: str | None = None
+    # The key an upload in flight writes to (journal first: after a crash, a copy there that
+    # the journal never recorded is found and removed if the file moved meanwhile).
+    uploading_key: str | None = None
 
 
 _COLUMNS = tuple(f.name for f in fields(Row))
@@ -100,6 +102,7 @@ CREATE TABLE IF NOT EXISTS inodes (
     closed_at    REAL,
     committed_at REAL,
     remote_key   TEXT,
+    uploading_key TEXT,
     UNIQUE (parent, name)
 );
 CREATE TABLE IF NOT EXISTS tombstones (
@@ -259,17 +262,12 @@ class Journal:
             parts.append(r_name)
         return None
 
-    def ino_at(self, key: str) -> int | None:
-        """The live inode at the relative path ``key`` (a trailing "/" is ignored), if any."""
-        ino = ROOT_INODE
-        for part in os.fsencode(key.rstrip("/")).split(b"/"):
-            found = self._db.execute(
-                "SELECT ino FROM inodes WHERE parent = ? AND name = ?", (ino, part)
-            ).fetchone()
-            if found is None:
-                return None
-            ino = found[0]
-        return ino
+    def holder_of(self, key: str) -> int | None:
+        """The live inode whose committed copy is at ``key``, if any."""
+        found = self._db.execute(
+            "SELECT ino FROM inodes WHERE remote_key = ? AND parent IS NOT NULL LIMIT 1", (key,)
+        ).fetchone()
+        return int(found[0]) if found else None
 
     def descendants(self, ino: int) -> list[int]:
         """Every inode below directory ``ino``, deepest last."""
@@ -321,6 +319,9 @@ class Journal:
             "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE (mode & 61440) = 32768"
             " AND state != ?", (State.REMOTE.value,)).fetchone()
         return int(found[0])
+
+    def interrupted_uploads(self) -> list[Row]:
+        return [_row(r) for r in self._db.execute(_SELECT + " WHERE uploading_key IS NOT NULL")]
 
     def paths_in_states(self, *states: State) -> list[bytes]:
         paths = []

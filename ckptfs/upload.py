@@ -122,6 +122,7 @@ class Uploader:
         self._changed = trio.Event()
         self.stats = UploadStats()
         self._random = random.Random()
+        self._interrupted_keys: set[str] = set()
 
     # -- hooks from the filesystem core (trio thread, never block) -------------------------
 
@@ -190,13 +191,30 @@ class Uploader:
 
     def requeue_from_journal(self) -> None:
         """After a restart: everything the journal says is not reconciled yet goes back in."""
+        for row in self.journal.interrupted_uploads():
+            # An upload the crash interrupted may have completed (or left parts) at a key the
+            # file no longer has: remove whatever is there, unless the file still lives there.
+            assert row.uploading_key is not None
+            self._interrupted_keys.add(row.uploading_key)
+            path = self.journal.path_of(row.ino)
+            if path is None or os.fsdecode(path) != row.uploading_key:
+                if row.remote_key != row.uploading_key:
+                    tomb_id = self.journal.add_tombstone(row.uploading_key)
+                    self.tombstone_added(tomb_id, row.uploading_key)
+            row.uploading_key = None
+            self.journal.update(row)
         for row in self.journal.unreconciled():
             self._queue(("ino", row.ino))
+            # Any of these may have been written (or copied to) when the crash came: leftovers
+            # of an interrupted put or copy at its key are ours to clean up.
+            path = self.journal.path_of(row.ino)
+            if path:
+                self._interrupted_keys.add(os.fsdecode(path))
         for tomb_id, key in self.journal.tombstones():
             self.tombstone_added(tomb_id, key)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        keys = {os.fsdecode(p) for p in self.journal.paths_in_states(State.STAGED)}
+        keys = set(self._interrupted_keys)
         try:
             removed = await self.tier.cleanup(keys)
             if removed:
@@ -297,9 +315,12 @@ class Uploader:
         if kind == "tomb":
             key = self.journal.tombstone_key(ident)
             if key is not None:
-                await self.tier.delete(key)
+                # A live file committed at this key since (a rename over it, an exchange):
+                # the object is its data now, not garbage.
+                if self.journal.holder_of(key) is None:
+                    await self.tier.delete(key)
+                    self.stats.deleted += 1
                 self.journal.drop_tombstone(ident)
-                self.stats.deleted += 1
             return
         try:
             row = self.ns.get(ident)
@@ -325,6 +346,7 @@ class Uploader:
     async def _upload(self, work: Work, row: Row, key: str) -> None:
         version = row.version
         row.state = State.UPLOADING
+        row.uploading_key = key
         self.ns.persist(row)
         self._supersede(key)
         source = self.staging.path(row.ino)
@@ -353,14 +375,16 @@ class Uploader:
             await self.tier.delete(key)
             return
         row.remote_key = key
+        row.uploading_key = None
         if row.version == version and row.state is State.UPLOADING:
             row.state = State.COMMITTED
             row.checksum = checksum
             row.tiers = self.tier.name
             row.committed_at = time.time()
-        self.ns.persist(row)
-        if old_key and old_key != key:
-            await self._delete_unless_live(old_key)
+        with self.journal.transaction():
+            self.ns.persist(row)
+            if old_key and old_key != key:
+                self._retire(old_key)
         if os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
             self.inode_changed(row.ino)  # renamed while uploading: move it
 
@@ -385,14 +409,16 @@ class Uploader:
             self.inode_changed(row.ino)
             return
         row.remote_key = key
-        self.ns.persist(row)
-        await self._delete_unless_live(old_key)
+        with self.journal.transaction():
+            self.ns.persist(row)
+            self._retire(old_key)
         self.stats.moved += 1
 
-    async def _delete_unless_live(self, key: str) -> None:
-        """Delete an old copy, unless another file now lives at that path (it rewrites it)."""
-        if self.journal.ino_at(key) is None:
-            await self.tier.delete(key)
+    def _retire(self, key: str) -> None:
+        """An old copy at ``key`` is no longer needed: a tombstone, in the caller's transaction
+        (journal first: a crash before the deletion redoes it)."""
+        tomb_id = self.journal.add_tombstone(key)
+        self.tombstone_added(tomb_id, key)
 
     async def _put_entry(self, row: Row, key: str) -> None:
         is_dir = stat.S_ISDIR(row.mode)
@@ -411,8 +437,9 @@ class Uploader:
         row.state = State.COMMITTED
         row.tiers = self.tier.name
         row.committed_at = time.time()
-        self.ns.persist(row)
-        if old_key and old_key != target_key:
-            # An old directory goes only after its children moved out: a gated tombstone.
-            tomb_id = self.journal.add_tombstone(old_key)
-            self.tombstone_added(tomb_id, old_key)
+        with self.journal.transaction():
+            self.ns.persist(row)
+            if old_key and old_key != target_key:
+                # An old directory goes only after its children moved out (its tombstone is
+                # gated: it waits for everything queued before it).
+                self._retire(old_key)

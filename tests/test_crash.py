@@ -436,13 +436,6 @@ def test_fsync_then_kill(mounter: Mounter) -> None:
     assert (m.path / "open.bin").read_bytes() == data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG (fs.py): a file is marked closed (STAGED) only at FUSE RELEASE, which the "
-    "kernel sends asynchronously after close() returns; a daemon killed in between reports "
-    "a properly closed file as incomplete (it is then never uploaded)",
-)
 def test_kill_right_after_close(mounter: Mounter) -> None:
     """close() returned, then the daemon died before any other request: the file is closed."""
     m = mounter("close")
@@ -462,13 +455,6 @@ def test_kill_right_after_close(mounter: Mounter) -> None:
     assert "incomplete" not in states, states
 
 
-@pytest.mark.xfail(
-    strict=False,  # timing-dependent, though it showed up on every run so far
-    raises=AssertionError,
-    reason="BUG (upload/tiers): after a SIGKILL right after `mv x.tmp x` with uploads in "
-    "flight, remount + sync leave copies under the old name (x.tmp/f) and "
-    ".f.ckptfs-tmp.* temporaries in the store for good",
-)
 def test_kill_during_rename_leaves_one_copy(mounter: Mounter) -> None:
     """DCP's "write x.tmp/, rename to x/", killed at once: the store ends with x/ only."""
     m = mounter("rename")

@@ -22,6 +22,8 @@ The store is checked from outside (boto3, or the directory), byte for byte, with
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -189,10 +191,8 @@ class FileStore:
 def s3_store(s3_server: S3Server) -> Iterator[S3Store]:
     store = S3Store(s3_server, s3_server.new_bucket())
     yield store
-    try:
+    with contextlib.suppress(Exception):  # best effort
         store.empty()  # moto keeps every object in this process's memory
-    except Exception:  # noqa: BLE001 - best effort
-        pass
 
 
 @pytest.fixture
@@ -262,9 +262,11 @@ def wait_closed(m: Mount, ckpt: Checkpoint) -> None:
     (close(2) returns before the daemon hears of it; tests/test_crash.py has an xfail for a
     kill in between. These tests are about uploads, so they kill only after that.)
     """
+    def closed(rel: str) -> bool:
+        return m.state(rel) != "open"
+
     for rel in ckpt.files:
-        wait_for(f"{rel} to be closed", lambda rel=rel: m.state(rel) != "open", timeout=10,
-                 every=0.01)
+        wait_for(f"{rel} to be closed", functools.partial(closed, rel), timeout=10, every=0.01)
 
 
 def wait_dead(pid: int, timeout: float = 30) -> None:
@@ -288,7 +290,7 @@ def kill(m: Mount, pid: int) -> None:
 
 
 def clear_dead_mount(m: Mount) -> None:
-    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
+    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True, check=False)
     assert not is_mounted(m.path)
 
 
@@ -421,9 +423,10 @@ def test_kill_during_file_tier_put(file_store: FileStore, mounter: Mounter,
 # 3. after the put, before the journal: faults.kill_after_puts
 
 
-@pytest.mark.parametrize("puts", [1, 2])
-def test_kill_after_put_before_journal(store: Store, puts: int, mounter: Mounter,
-                                       tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "puts"), [("s3", 2), ("file", 1)])
+def test_kill_after_put_before_journal(kind: str, puts: int, request: pytest.FixtureRequest,
+                                       mounter: Mounter, tmp_path: Path) -> None:
+    store: Store = request.getfixturevalue(f"{kind}_store")
     down = tmp_path / "store-down"
     drill = store.config(tmp_path / "drill.toml", upload_concurrency=1,
                          faults={"down_file": down, "kill_after_puts": puts})
@@ -468,17 +471,16 @@ def test_kill_after_put_before_journal(store: Store, puts: int, mounter: Mounter
 # ---------------------------------------------------------------------------------------------
 # 4. the file changed name (or went away) while its upload was in flight, then the kill
 
-# BUG (upload.py, Uploader.run -> Tier.cleanup): at start, leftover multipart uploads and
-# .ckptfs-tmp files are cleaned up only for the *current* paths of STAGED files. A put killed
-# mid-way whose file was renamed (DCP: step_N.tmp/ -> step_N/, .metadata.tmp -> .metadata)
-# or unlinked meanwhile went to a key no STAGED row names any more: its multipart upload
-# (S3) or temporary file (file tier, which also keeps the old directory alive) stays forever.
-LEFTOVER_BUG = (
-    "BUG (upload.py Uploader.run / Tier.cleanup): leftovers of a put killed mid-way are "
-    "cleaned only for current paths of STAGED files; the old key of a file renamed or "
-    "unlinked during the put keeps its multipart upload / .ckptfs-tmp file forever"
+# A put killed mid-way leaves a multipart upload (S3) or a .ckptfs-tmp file (file tier) at the
+# key it was writing; the remount must clean it up even when that key is no longer the file's
+# path: renamed meanwhile (DCP: step_N.tmp/ -> step_N/, .metadata.tmp -> .metadata), or
+# unlinked (the unlink cancels the upload, but the SIGKILL may land before its cleanup).
+UNLINK_BUG = (
+    "BUG (upload.py Uploader.run): the start-up cleanup of partial uploads covers STAGED "
+    "paths and interrupted uploads of files that still exist, not the key of a file unlinked "
+    "during its upload: its multipart upload / .ckptfs-tmp file stays (racy: passes when the "
+    "unlink's cancellation cleans up before the SIGKILL lands)"
 )
-RACY = " (racy: passes when the unlink's cancellation cleans up before the SIGKILL lands)"
 
 
 def wait_mid_put(store: Store, key: str) -> None:
@@ -493,11 +495,9 @@ def wait_mid_put(store: Store, key: str) -> None:
 
 
 @pytest.mark.parametrize(("kind", "action"), [
-    pytest.param("s3", "rename", marks=pytest.mark.xfail(strict=True, reason=LEFTOVER_BUG)),
-    pytest.param("s3", "unlink", marks=pytest.mark.xfail(strict=False, reason=LEFTOVER_BUG + RACY)),
-    pytest.param("file", "rename", marks=pytest.mark.xfail(strict=True, reason=LEFTOVER_BUG)),
-    pytest.param("file", "unlink",
-                 marks=pytest.mark.xfail(strict=False, reason=LEFTOVER_BUG + RACY)),
+    ("s3", "rename"),
+    ("file", "rename"),
+    pytest.param("s3", "unlink", marks=pytest.mark.xfail(strict=False, reason=UNLINK_BUG)),
 ])
 def test_kill_during_upload_of_renamed_or_unlinked_file(
         kind: str, action: str, request: pytest.FixtureRequest, mounter: Mounter,
@@ -532,17 +532,10 @@ def test_kill_during_upload_of_renamed_or_unlinked_file(
         assert "step_500.tmp" not in store.dirs()
 
 
-ORPHAN_BUG = (
-    "BUG (upload.py _upload / fs.py rename): the key an upload writes to is not in the "
-    "journal before the put; a file renamed during its upload and a daemon killed after the "
-    "put (before the journal update) leave the object under the old name in the store for "
-    "good (the remount uploads the file again under its new name only)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=ORPHAN_BUG)
-def test_kill_after_put_of_renamed_file(store: Store, mounter: Mounter, tmp_path: Path) -> None:
+def test_kill_after_put_of_renamed_file(s3_store: S3Store, mounter: Mounter,
+                                        tmp_path: Path) -> None:
     """DCP's .metadata.tmp -> .metadata while the put runs; the daemon dies right after it."""
+    store = s3_store
     # 8 MiB at 4 MB/s: the put waits 2 s in the throttle before it starts: time to rename.
     drill = store.config(tmp_path / "drill.toml", upload_concurrency=1,
                          faults={"bandwidth": 4_000_000, "kill_after_puts": 1})

@@ -52,10 +52,12 @@ class Bucket:
         self.client = self.server.client()
 
     def config(self, path: Path, *, faults: dict[str, Any] | None = None,
-               upload_concurrency: int = 4, part_concurrency: int = 4) -> Path:
+               upload_concurrency: int = 4, part_concurrency: int = 4,
+               log_level: str = "info") -> Path:
         """A config file: hot tier + this bucket as the warm tier (optionally faulty)."""
         lines = [
             f"upload_concurrency = {upload_concurrency}",
+            f'log_level = "{log_level}"',  # the daemon logs to <staging>/daemon.log
             "",
             "[[tier]]",
             'name = "hot"',
@@ -528,6 +530,32 @@ def test_sync_waits_for_the_old_directory_to_go(mounter: Mounter, bucket: Bucket
     os.rename(m.path / "step_5.tmp", m.path / "step_5")
     sync(m)
     assert_store_equals_mount(m, bucket)
+
+
+def test_old_key_goes_when_the_new_file_there_is_renamed_away(mounter: Mounter, bucket: Bucket,
+                                                              tmp_path: Path) -> None:
+    """``latest.tmp`` -> ``latest`` twice in a row: the first file's copy at ``latest.tmp`` must
+    go even though a second ``latest.tmp`` existed (open) when the first one was moved, and
+    that second one never reaches the store under the name ``latest.tmp``."""
+    # One worker and slow calls: the move (head, copy, delete: 1 s) is under way when the new
+    # file appears, and the new file waits behind a slow upload until it has been renamed.
+    m = mounter("reuse", config=bucket.config(
+        tmp_path / "c.toml", upload_concurrency=1,
+        faults={"latency": "0.5s", "bandwidth": 1_000_000}))
+    p = m.path
+    write(p / "latest.tmp", b"step_1")
+    sync(m)
+    os.rename(p / "latest.tmp", p / "latest")
+    with open(p / "latest.tmp", "wb") as f:  # the next pointer, still being written
+        sync(m)  # meanwhile the first one is moved on the store
+        assert bucket.get("latest")[0] == b"step_1"
+        write(p / "blocker", b"b" * 1_000_000)  # keeps the only worker busy for 1.5 s
+        f.write(b"step_2")
+    os.rename(p / "latest.tmp", p / "latest")
+    assert m.state("latest") == "staged"  # not started under its old name
+    sync(m)
+    assert_store_equals_mount(m, bucket)
+    assert bucket.get("latest")[0] == b"step_2"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -263,6 +263,10 @@ def _publish(tmp: Path, path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         os.rmdir(path)  # a file replaces an (empty) directory of the same name
     os.replace(tmp, path)
+    if os.path.lexists(tmp):
+        # tmp and path were hard links to one file (a move redone after a crash): rename(2)
+        # then does nothing, successfully.
+        os.unlink(tmp)
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
