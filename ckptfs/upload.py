@@ -197,10 +197,9 @@ class Uploader:
             assert row.uploading_key is not None
             self._interrupted_keys.add(row.uploading_key)
             path = self.journal.path_of(row.ino)
-            if path is None or os.fsdecode(path) != row.uploading_key:
-                if row.remote_key != row.uploading_key:
-                    tomb_id = self.journal.add_tombstone(row.uploading_key)
-                    self.tombstone_added(tomb_id, row.uploading_key)
+            moved = path is None or os.fsdecode(path) != row.uploading_key
+            if moved and row.remote_key != row.uploading_key:
+                self._retire(row.uploading_key)
             row.uploading_key = None
             self.journal.update(row)
         for row in self.journal.unreconciled():
