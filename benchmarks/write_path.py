@@ -14,8 +14,10 @@ Workloads:
   torch_save torch.save of a transformer-like state dict of about --torch-size MiB
 
 Blocked time is open + write() calls + close(). fsync is not part of it (a training loop does
-not fsync). After each run the script calls sync(2) (timed and reported separately, so that
-the dirty pages of one run do not slow down the next) and deletes the file.
+not fsync). After each run the script deletes the file at once (so that ckptfs's background
+upload of it is cancelled and does not compete with the next run: benchmarks/upload.py
+measures writes under upload load), calls sync(2) (timed, reported separately) and, before
+the next run on a FUSE daemon, waits until that daemon is idle.
 
 Prints a markdown table (medians of --reps interleaved runs), the target ratios, and the
 sizes of the write requests the kernel actually sends to a FUSE daemon (seen by nullfs);
@@ -120,6 +122,17 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.3, window: float = 0.5)
         b0 = machine_busy_s()
         time.sleep(window)
         if (machine_busy_s() - b0) / window < threshold:
+            break
+    return time.monotonic() - t0
+
+
+def wait_daemon_idle(pid: int, max_wait: float = 30.0, window: float = 0.2) -> float:
+    """Wait until a daemon uses (almost) no CPU: no leftover work of the previous run."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_wait:
+        c0 = sum(process_cpu(pid))
+        time.sleep(window)
+        if sum(process_cpu(pid)) - c0 <= 0.02 * window + 0.011:  # below one clock tick
             break
     return time.monotonic() - t0
 
@@ -305,6 +318,8 @@ def drop_caches() -> bool:
 def one_run(target: Target, workload: str, rep: int, args: argparse.Namespace,
             buf: memoryview, sd: dict[str, Any] | None) -> Run:
     path = target.dir / f"bench-{workload}-{rep}.bin"
+    if target.daemon_pid:
+        wait_daemon_idle(target.daemon_pid)
     waited = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 and rep >= 0 else 0.0
     before_stats = target.stats() if target.stats else None
     before_cpu = process_cpu(target.daemon_pid) if target.daemon_pid else None
@@ -320,10 +335,12 @@ def one_run(target: Target, workload: str, rep: int, args: argparse.Namespace,
     after_cpu = process_cpu(target.daemon_pid) if target.daemon_pid else None
     after_stats = target.stats() if target.stats else None
     size = os.stat(path).st_size
+    # Delete at once: ckptfs starts uploading a file as soon as it is closed, and an upload
+    # of this run must not compete with the next one (benchmarks/upload.py measures that).
+    os.unlink(path)
     t0 = time.perf_counter()
     os.sync()  # not blocked time: keeps one run's dirty pages from slowing the next
     sync_s = time.perf_counter() - t0
-    os.unlink(path)
     if args.drop_caches:
         drop_caches()
     run = Run(target.name, workload, rep, size, write_s, close_s, sync_s,

@@ -101,6 +101,7 @@ class ChangeListener(Protocol):
     def last_seq(self) -> int: ...
     async def wait_until_done(self, upto_seq: int) -> None: ...
     async def wait_progress(self) -> None: ...
+    def hurry(self) -> None: ...
 
 
 class _NoListener:
@@ -124,6 +125,9 @@ class _NoListener:
 
     async def wait_progress(self) -> None:
         await trio.sleep_forever()  # nothing will ever be uploaded, so nothing frees up
+
+    def hurry(self) -> None:
+        pass
 
 
 def state_label(row: Row) -> str:
@@ -500,6 +504,7 @@ class Filesystem:
                 raise
             # The disk filled up behind our accounting (other users of the disk): make room
             # the same way, then try once more.
+            self.space.give_back(max(growth, 0))
             await self._reserve(len(data), force_evict=True)
             written = self.staging.pwrite(handle.fd, data, offset)
         self.ns.note_write(row, offset + written)
@@ -522,6 +527,7 @@ class Filesystem:
                     self._evict(nbytes)
                     if self.space.try_take(nbytes):
                         return
+                    self.listener.hurry()
                     await self.listener.wait_progress()
         finally:
             self.stall_seconds += trio.current_time() - started

@@ -52,7 +52,8 @@ from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
 log = logging.getLogger(__name__)
 
 BACKOFF_BASE = 0.5
-BACKOFF_MAX = 300.0
+BACKOFF_MAX = 60.0
+HURRY_DELAY = 1.0  # the longest a failed item waits while a writer waits for space
 _HASH_CHUNK = 8 * 1024 * 1024
 
 WorkKey = tuple[str, int]  # ("ino", inode) or ("tomb", tombstone id)
@@ -138,6 +139,14 @@ class Uploader:
     def tombstone_added(self, tomb_id: int, key: str) -> None:
         self._queue(("tomb", tomb_id), gated=key.endswith("/"))
 
+    def hurry(self) -> None:
+        """A writer waits for space: retry failed items soon, whatever their backoff says."""
+        limit = self._clock() + HURRY_DELAY
+        for work in self._pending.values():
+            if work.not_before > limit:
+                work.not_before = limit
+        self._wake()
+
     def cancel(self, ino: int) -> None:
         """The file is being rewritten or removed: stop working on its old version."""
         work = self._inflight.get(("ino", ino))
@@ -202,6 +211,8 @@ class Uploader:
                 self._retire(row.uploading_key)
             row.uploading_key = None
             self.journal.update(row)
+        for _, key in self.journal.tombstones():
+            self._interrupted_keys.add(key)  # an unlinked file's upload may have been cut short
         for row in self.journal.unreconciled():
             self._queue(("ino", row.ino))
             # Any of these may have been written (or copied to) when the crash came: leftovers
@@ -270,6 +281,8 @@ class Uploader:
             try:
                 with trio.CancelScope() as work.cancel:
                     await self._reconcile(work)
+                    if work.error is not None:
+                        self._store_is_back()
                     work.error = None
             except Exception as exc:  # noqa: BLE001 - every failure is retried and reported
                 self._failed(work, exc)
@@ -290,6 +303,13 @@ class Uploader:
                 return work
             with trio.move_on_at(wake_at):
                 await changed.wait()
+
+    def _store_is_back(self) -> None:
+        """A failed item just succeeded: the others need not sit out their backoff."""
+        now = self._clock()
+        for work in self._pending.values():
+            if work.error is not None:
+                work.not_before = min(work.not_before, now)
 
     def _failed(self, work: Work, exc: Exception) -> None:
         work.attempts += 1
@@ -358,7 +378,13 @@ class Uploader:
             work.done_bytes += n
 
         started = time.monotonic()
-        await self.tier.put_file(key, source, size, meta, progress)
+        try:
+            await self.tier.put_file(key, source, size, meta, progress)
+        except Exception:
+            if row.state is State.UPLOADING and row.version == version:
+                row.state = State.STAGED  # waiting for a retry, as user.ckptfs.state says
+                self.ns.persist(row)
+            raise
         self.stats.uploaded_files += 1
         self.stats.uploaded_bytes += size
         self.stats.recent.append((time.monotonic(), size))

@@ -15,6 +15,9 @@ The points, each on a real mount (the daemon is another process):
 3. *after the put, before the journal*: ``faults.kill_after_puts`` makes the daemon kill
    itself right after a successful put; the journal still says "uploading". The remount
    (without the drill) uploads everything exactly once.
+4. the same points when the file was renamed (DCP's ``step_N.tmp/`` -> ``step_N/`` and
+   ``.metadata.tmp`` -> ``.metadata``) or unlinked while its upload was in flight: nothing
+   may stay behind under the old key.
 
 The store is checked from outside (boto3, or the directory), byte for byte, with the
 ``crc32c:%08x`` checksum metadata ckptfs attaches to every file.
@@ -259,8 +262,8 @@ def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 30,
 def wait_closed(m: Mount, ckpt: Checkpoint) -> None:
     """Every file has left state ``open``: the kernel's asynchronous RELEASE was handled.
 
-    (close(2) returns before the daemon hears of it; tests/test_crash.py has an xfail for a
-    kill in between. These tests are about uploads, so they kill only after that.)
+    (close(2) returns before the daemon hears of RELEASE; tests/test_crash.py covers a kill
+    in between. These tests are about uploads, so they kill only after that.)
     """
     def closed(rel: str) -> bool:
         return m.state(rel) != "open"
@@ -475,12 +478,6 @@ def test_kill_after_put_before_journal(kind: str, puts: int, request: pytest.Fix
 # key it was writing; the remount must clean it up even when that key is no longer the file's
 # path: renamed meanwhile (DCP: step_N.tmp/ -> step_N/, .metadata.tmp -> .metadata), or
 # unlinked (the unlink cancels the upload, but the SIGKILL may land before its cleanup).
-UNLINK_BUG = (
-    "BUG (upload.py Uploader.run): the start-up cleanup of partial uploads covers STAGED "
-    "paths and interrupted uploads of files that still exist, not the key of a file unlinked "
-    "during its upload: its multipart upload / .ckptfs-tmp file stays (racy: passes when the "
-    "unlink's cancellation cleans up before the SIGKILL lands)"
-)
 
 
 def wait_mid_put(store: Store, key: str) -> None:
@@ -497,7 +494,7 @@ def wait_mid_put(store: Store, key: str) -> None:
 @pytest.mark.parametrize(("kind", "action"), [
     ("s3", "rename"),
     ("file", "rename"),
-    pytest.param("s3", "unlink", marks=pytest.mark.xfail(strict=False, reason=UNLINK_BUG)),
+    pytest.param("s3", "unlink"),
 ])
 def test_kill_during_upload_of_renamed_or_unlinked_file(
         kind: str, action: str, request: pytest.FixtureRequest, mounter: Mounter,

@@ -200,7 +200,7 @@ class S3Tier(Tier):
         try:
             async with trio.open_nursery() as nursery:
                 for number in range(1, count + 1):
-                    nursery.start_soon(part, number)  # trio's Semaphore is FIFO: parts go in order
+                    nursery.start_soon(part, number)  # at most part_concurrency send at once
             await self._call(
                 self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
                 UploadId=upload_id,
