@@ -143,8 +143,7 @@ class Uploader:
         """A writer waits for space: retry failed items soon, whatever their backoff says."""
         limit = self._clock() + HURRY_DELAY
         for work in self._pending.values():
-            if work.not_before > limit:
-                work.not_before = limit
+            work.not_before = min(work.not_before, limit)
         self._wake()
 
     def cancel(self, ino: int) -> None:
