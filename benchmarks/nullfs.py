@@ -23,6 +23,8 @@ Variants, to take the FUSE write path apart (all off by default):
 
   --backing-dir DIR    land the bytes in DIR/<ino> with os.pwrite (one more copy, into the page
                        cache of a real disk): the least any staging filesystem must do
+  --pwrite-chunk N     with --backing-dir, land each request in pwrite() calls of at most N bytes
+                       (the page cache picks its folio size from the write size)
   --writeback-cache    let the kernel cache writes (FUSE writeback cache) and send them in the
                        background; close() still waits until every byte reached the daemon
   --getxattr-enosys    answer getxattr with ENOSYS, so the kernel stops asking for
@@ -84,8 +86,9 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
 
     def __init__(self, *, backing_dir: str | None = None, writeback_cache: bool = False,
                  getxattr_enosys: bool = False, stats_file: str | None = None,
-                 direct_io: bool = False) -> None:
+                 direct_io: bool = False, pwrite_chunk: int = 0) -> None:
         super().__init__()
+        self.pwrite_chunk = pwrite_chunk
         self.direct_io = direct_io
         self.backing_dir = backing_dir
         self.enable_writeback_cache = writeback_cache
@@ -264,8 +267,9 @@ class NullFs(pyfuse3.Operations):  # type: ignore[misc]
             fd = self.backing_fds[ino][0]
             view = memoryview(buf)
             done = 0
+            step = self.pwrite_chunk or n
             while done < n:
-                done += os.pwrite(fd, view[done:], off + done)
+                done += os.pwrite(fd, view[done:done + step], off + done)
         node = self.inodes[ino]
         if off + n > node.size:
             node.size = off + n
@@ -365,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tasks", type=int, default=64,
                         help="pyfuse3 worker tasks (ckptfs default: fuse_workers = 64)")
     parser.add_argument("--backing-dir", help="pwrite the data into files in this directory")
+    parser.add_argument("--pwrite-chunk", type=int, default=0,
+                        help="with --backing-dir: largest pwrite() call, bytes (0: whole request)")
     parser.add_argument("--writeback-cache", action="store_true",
                         help="enable the FUSE writeback cache")
     parser.add_argument("--getxattr-enosys", action="store_true",
@@ -378,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s nullfs %(levelname)s: %(message)s", stream=sys.stderr)
     ops = NullFs(backing_dir=args.backing_dir, writeback_cache=args.writeback_cache,
                  getxattr_enosys=args.getxattr_enosys, stats_file=args.stats_file,
-                 direct_io=args.direct_io)
+                 direct_io=args.direct_io, pwrite_chunk=args.pwrite_chunk)
     pyfuse3.init(ops, args.mountpoint, fuse_options())
     try:
         trio.run(_serve, args.max_tasks)

@@ -65,6 +65,8 @@ CONFIGS = ("plain", "nullfs", "ckptfs")
 NULLFS_VARIANTS = {
     "nullfs": [],
     "nullfs-pwrite": ["--backing-dir", "{base}/nullfs-pwrite-backing"],  # + land the bytes
+    "nullfs-pwrite128k": ["--backing-dir", "{base}/nullfs-pwrite128k-backing",
+                          "--pwrite-chunk", "131072"],  # ... in 128 KiB pwrite() calls
     "nullfs-wbc": ["--writeback-cache"],  # FUSE writeback cache
     "nullfs-noxattr": ["--getxattr-enosys"],  # no security.capability round trip per write()
     "nullfs-dio": ["--direct-io"],  # FOPEN_DIRECT_IO on writable opens

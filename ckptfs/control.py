@@ -138,7 +138,11 @@ class ControlServer:
             remaining = sum(size for _, size, _ in pending)
             if total is None:
                 total = remaining
-            outstanding = self.uploader.outstanding(upto)
+            # Deletions of old copies (after moves and directory renames) are queued as work
+            # finishes, with later numbers: wait for them too, so the store is exact.
+            outstanding = self.uploader.outstanding(upto) + [
+                w for w in self.uploader.outstanding() if self.uploader.is_cleanup(w)
+                and w.seq > upto]
             if pending and not self.uploader.outstanding():
                 # Staged files with no work item would make sync wait forever: a bug, but
                 # not one the user should pay for. Queue them and say so.
@@ -147,7 +151,7 @@ class ControlServer:
                 for row in self.fs.journal.rows_in_states(State.STAGED, State.UPLOADING):
                     self.uploader.inode_changed(row.ino)
                 upto = self.uploader.last_seq()
-                outstanding = self.uploader.outstanding(upto)
+                outstanding = self.uploader.outstanding()
             if path is None:
                 done = not outstanding and not pending
             else:

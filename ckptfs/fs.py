@@ -330,10 +330,8 @@ class Filesystem:
         if not self.unlink_remote:
             return []
         keys = {row.remote_key} if row.remote_key else set()
-        if row.state is State.UPLOADING:
-            path = self.journal.path_of(row.ino)
-            if path:
-                keys.add(os.fsdecode(path))
+        if row.state is State.UPLOADING and row.uploading_key:
+            keys.add(row.uploading_key)
         return sorted(keys)
 
     def _forget_remote(self, row: Row, tombs: list[tuple[int, str]]) -> None:
@@ -355,6 +353,12 @@ class Filesystem:
             dst = None
         exchange = bool(flags & RENAME_EXCHANGE)
         replaced_keys = self._remote_keys(dst) if dst is not None and not exchange else []
+        if dst is not None and not exchange:
+            # The moved file goes to exactly that key and overwrites it there: deleting it
+            # first would leave the store without it in between (`latest.tmp` -> `latest`).
+            dst_path = self.journal.path_of(dst.ino)
+            replaced_keys = [k for k in replaced_keys
+                             if not dst_path or k.rstrip("/") != os.fsdecode(dst_path)]
         with self.journal.transaction():
             moved, replaced = self.ns.rename(
                 old_parent, old_name, new_parent, new_name,

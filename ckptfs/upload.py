@@ -156,10 +156,12 @@ class Uploader:
         work = self._pending.get(key)
         if work is None:
             self._pending[key] = Work(key, next(self._seq), gated)
-        elif gated:
-            # Re-numbered so that it waits for whatever was queued since.
+        elif gated or self._names_marker(key):
+            # A marker (or gated item) queued again is re-numbered so that it waits for
+            # whatever was queued since: a rewritten `latest` must follow its new checkpoint.
+            # Other items keep their first number, so markers queued since still wait for them.
             work.seq = next(self._seq)
-            work.gated = True
+            work.gated = work.gated or gated
         work = self._pending[key]
         work.not_before = 0.0
         self._wake()
@@ -259,6 +261,16 @@ class Uploader:
             work.target = target
             return work, wake_at
         return None, wake_at
+
+    def _names_marker(self, key: WorkKey) -> bool:
+        if key[0] != "ino":
+            return False
+        path = self.journal.path_of(key[1])
+        return bool(path) and is_marker(os.fsdecode(path or b"").rsplit("/", 1)[-1], self.markers)
+
+    def is_cleanup(self, work: Work) -> bool:
+        """Deletions of old copies: ``sync`` waits for them whatever their number."""
+        return work.key[0] == "tomb"
 
     def _target(self, work: Work) -> str | None:
         kind, ident = work.key
