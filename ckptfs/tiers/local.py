@@ -226,11 +226,12 @@ class FileTier(Tier):
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                # A directory that still has children is still needed by them; and a file key
-                # that is now a directory (or the reverse) names something else: both are not
-                # ours to delete. (An object store keeps "x" and "x/" apart; a tree cannot.)
-                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR,
-                                     errno.EISDIR):
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    # The deletions of its old children are still queued: try again later.
+                    raise StoreUnavailable(f"{self.url}: {key} is not empty yet") from None
+                # A file key that is now a directory (or the reverse) names something else,
+                # not ours to delete. (An object store keeps "x" and "x/" apart; a tree cannot.)
+                if exc.errno not in (errno.ENOTDIR, errno.EISDIR):
                     raise
 
         await self._run(remove)
