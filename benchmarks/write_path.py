@@ -24,15 +24,23 @@ sizes of the write requests the kernel actually sends to a FUSE daemon (seen by 
 writes every raw number to benchmarks/results/write_path.json (--quick: write_path.quick.json).
 It never asserts: the ratios are for people to read.
 
+Besides wall time it records the CPU seconds of the writer and of the FUSE daemon, and how
+much CPU everything else on the machine used meanwhile ("other load", a noise gauge). With
+``--configs`` it can also run nullfs variants that take the FUSE write path apart (nullfs
+plus a pwrite into a staging-like file, direct I/O, no getxattr, writeback cache): see
+NULLFS_VARIANTS and benchmarks/README.md.
+
 Caveats: the page cache is not dropped between runs by default (``--drop-caches`` tries,
-best effort, and it is global to the machine); all three configurations write into the page
-cache of the same disk, and with GiBs of free RAM nothing here waits for the disk except
-sync(2). Numbers on a shared 2-core machine are noisy: look at the per-run values in the JSON.
+best effort, and it is global to the machine); all configurations write into the page cache
+(of the same disk, or of the FUSE file), and with GiBs of free RAM nothing here waits for the
+disk except sync(2). Numbers on a shared 2-core machine are noisy: the full run waits up to
+``--quiet-wait`` seconds for an idle machine before each run; look at the per-run values.
 
 Usage::
 
-    python benchmarks/write_path.py --quick     # 256 MiB / 128 MiB, well under a minute
-    python benchmarks/write_path.py             # 2 GiB / 1 GiB, 3 reps
+    python benchmarks/write_path.py --quick     # 256 MiB / 128 MiB, 3 reps, ~20 s
+    python benchmarks/write_path.py             # 2 GiB / 1 GiB, 5 reps, ~5-15 min
+    python benchmarks/write_path.py --configs plain,nullfs,nullfs-pwrite,nullfs-dio,ckptfs
 """
 
 from __future__ import annotations
@@ -98,11 +106,11 @@ def is_mounted(path: Path) -> bool:
 
 def lazy_unmount(path: Path) -> None:
     if is_mounted(path):
-        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True, check=False)
 
 
 def process_cpu(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of a process and its reaped children."""
+    """(user, system) CPU seconds of a process, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / tick, int(fields[12]) / tick
@@ -162,36 +170,38 @@ def nullfs_target(base: Path, variant: str = "nullfs") -> Iterator[Target]:
     extra = [a.format(base=base) for a in NULLFS_VARIANTS[variant]]
     if "--backing-dir" in extra:
         Path(extra[extra.index("--backing-dir") + 1]).mkdir()
-    logf = open(base / f"{variant}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "nullfs.py"), str(mnt), "--stats-file", str(stats_file),
-         *extra],
-        stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-    )
+    log_path = base / f"{variant}.log"
+    with open(log_path, "wb") as logf:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "nullfs.py"), str(mnt), "--stats-file", str(stats_file),
+             *extra],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + MOUNT_TIMEOUT
         while not is_mounted(mnt):
             if proc.poll() is not None:
-                raise RuntimeError(f"nullfs exited with {proc.returncode}; see {logf.name}")
+                raise RuntimeError(f"nullfs exited with {proc.returncode}: "
+                                   f"{log_path.read_text(errors='replace')[-2000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError("nullfs did not mount in time")
             time.sleep(0.05)
 
         def stats() -> dict[str, Any]:
             os.path.exists(mnt / ".nullfs-stats")  # the lookup makes nullfs write stats_file
-            return json.loads(stats_file.read_text())
+            stats: dict[str, Any] = json.loads(stats_file.read_text())
+            return stats
 
         yield Target(variant, mnt, proc.pid, stats)
     finally:
         if is_mounted(mnt):
-            subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+            subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, check=False)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()  # the nullfs process we started, by its pid
             proc.wait()
         lazy_unmount(mnt)
-        logf.close()
 
 
 @contextmanager
@@ -204,7 +214,7 @@ def ckptfs_target(base: Path) -> Iterator[Target]:
         done = subprocess.run(
             [*cli, "mount", str(mnt), "--staging", str(staging), "--store", str(store)],
             capture_output=True, text=True, env=env, cwd=REPO, timeout=MOUNT_TIMEOUT * 2,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, check=False,
         )
         if done.returncode != 0:
             raise RuntimeError(f"ckptfs mount failed:\n{done.stdout}{done.stderr}")
@@ -213,7 +223,7 @@ def ckptfs_target(base: Path) -> Iterator[Target]:
     finally:
         if is_mounted(mnt):
             subprocess.run([*cli, "umount", str(mnt), "--timeout", "60"], capture_output=True,
-                           env=env, cwd=REPO, timeout=180)
+                           env=env, cwd=REPO, timeout=180, check=False)
         lazy_unmount(mnt)
 
 
@@ -340,6 +350,8 @@ def one_run(target: Target, workload: str, rep: int, args: argparse.Namespace,
     # Delete at once: ckptfs starts uploading a file as soon as it is closed, and an upload
     # of this run must not compete with the next one (benchmarks/upload.py measures that).
     os.unlink(path)
+    if target.daemon_pid:  # ckptfs frees the staging data once its uploader lets go of it
+        wait_daemon_idle(target.daemon_pid)
     t0 = time.perf_counter()
     os.sync()  # not blocked time: keeps one run's dirty pages from slowing the next
     sync_s = time.perf_counter() - t0
@@ -555,11 +567,12 @@ def environment(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     import trio
 
     def git(*a: str) -> str:
-        done = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        done = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
+                              check=False)
         return done.stdout.strip()
 
     fstype = subprocess.run(["findmnt", "-no", "FSTYPE", "-T", str(base)],
-                            capture_output=True, text=True).stdout.strip()
+                            capture_output=True, text=True, check=False).stdout.strip()
     return {
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": platform.node(),

@@ -381,7 +381,12 @@ class Uploader:
         self._supersede(key)
         source = self.staging.path(row.ino)
         size = row.size
-        checksum = await trio.to_thread.run_sync(file_checksum, source, size)
+        try:
+            checksum = await trio.to_thread.run_sync(file_checksum, source, size)
+        except FileNotFoundError:
+            if self.journal.path_of(row.ino) is None:
+                return  # unlinked since it was queued: nothing to upload
+            raise
         meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
                           checksum)
 
