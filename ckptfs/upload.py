@@ -11,10 +11,12 @@ sequence order and reconcile them:
 - a tombstone deletes its key.
 
 Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
-- Items are numbered when queued. A *gated* item starts only when every item with a smaller
-  number has finished: commit markers (``.metadata``, ``latest``, ...), and the deletion of an
-  old directory after a directory rename (its children move first). So a reader of the store
-  that sees a marker finds everything closed before it.
+- Items are numbered when queued. A commit marker (``.metadata``, ``latest``, ...) starts only
+  when every item with a smaller number has finished, so a reader of the store that sees a
+  marker finds everything closed before it. A marker queued again is numbered again.
+- Nothing else waits for anything: an old directory whose children are not deleted yet, or a
+  file whose key is still a directory on a file tier, fails and is retried (waiting would
+  deadlock: the directory's deletion could be waiting for that very file).
 - Two items never work on the same remote key at once, and a pending deletion of a key is
   dropped when a newer upload to that key starts (it would overwrite it anyway).
 
@@ -63,7 +65,6 @@ WorkKey = tuple[str, int]  # ("ino", inode) or ("tomb", tombstone id)
 class Work:
     key: WorkKey
     seq: int
-    gated: bool = False
     not_before: float = 0.0
     attempts: int = 0
     error: str | None = None
@@ -132,12 +133,12 @@ class Uploader:
         self._queue(("ino", ino))
 
     def tree_moved(self, inos: list[int]) -> None:
-        """A directory moved: reconcile its descendants, then (gated) the old directories."""
+        """A directory moved: reconcile it and its descendants (moves, then old-key deletions)."""
         for ino in inos:
             self._queue(("ino", ino))
 
     def tombstone_added(self, tomb_id: int, key: str) -> None:
-        self._queue(("tomb", tomb_id), gated=key.endswith("/"))
+        self._queue(("tomb", tomb_id))
 
     def hurry(self) -> None:
         """A writer waits for space: retry failed items soon, whatever their backoff says."""
@@ -152,16 +153,15 @@ class Uploader:
         if work is not None and work.cancel is not None:
             work.cancel.cancel()
 
-    def _queue(self, key: WorkKey, gated: bool = False) -> None:
+    def _queue(self, key: WorkKey) -> None:
         work = self._pending.get(key)
         if work is None:
-            self._pending[key] = Work(key, next(self._seq), gated)
-        elif gated or self._names_marker(key):
-            # A marker (or gated item) queued again is re-numbered so that it waits for
-            # whatever was queued since: a rewritten `latest` must follow its new checkpoint.
-            # Other items keep their first number, so markers queued since still wait for them.
+            self._pending[key] = Work(key, next(self._seq))
+        elif self._names_marker(key):
+            # A marker queued again is re-numbered so that it waits for whatever was queued
+            # since: a rewritten `latest` must follow its new checkpoint. Other items keep
+            # their first number, so markers queued since still wait for them.
             work.seq = next(self._seq)
-            work.gated = work.gated or gated
         work = self._pending[key]
         work.not_before = 0.0
         self._wake()
@@ -256,7 +256,7 @@ class Uploader:
                 continue
             marker = work.key[0] == "ino" and target is not None and is_marker(
                 target.rstrip("/").rsplit("/", 1)[-1], self.markers)
-            if (work.gated or marker) and floor < work.seq:
+            if marker and floor < work.seq:
                 continue
             work.target = target
             return work, wake_at
@@ -481,6 +481,5 @@ class Uploader:
         with self.journal.transaction():
             self.ns.persist(row)
             if old_key and old_key != target_key:
-                # An old directory goes only after its children moved out (its tombstone is
-                # gated: it waits for everything queued before it).
+                # Deleted once its old children are (retried until it is empty).
                 self._retire(old_key)

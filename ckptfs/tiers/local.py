@@ -262,7 +262,13 @@ def _finish(fd: int, meta: ObjectMeta) -> None:
 
 def _publish(tmp: Path, path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        os.rmdir(path)  # a file replaces an (empty) directory of the same name
+        try:
+            os.rmdir(path)  # a file replaces an (empty) directory of the same name
+        except OSError as exc:
+            if exc.errno == errno.ENOTEMPTY:
+                # The old directory's children are still queued for deletion: retry later.
+                raise StoreUnavailable(f"{path} is still a directory with entries") from None
+            raise
     os.replace(tmp, path)
     if os.path.lexists(tmp):
         # tmp and path were hard links to one file (a move redone after a crash): rename(2)
