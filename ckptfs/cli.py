@@ -111,9 +111,15 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
             args += [flag, str(value)]
     read_end, write_end = os.pipe()
     args += ["--ready-fd", str(write_end)]
+    # The daemon runs in "/" (it must not keep a directory busy); make it import the very
+    # ckptfs this command runs, not whichever one "/" would find.
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     with open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(
             args, stdin=devnull, pass_fds=(write_end,), start_new_session=True, cwd="/",
+            env=env,
         )
     os.close(write_end)
     message = _read_ready(read_end, proc)
