@@ -179,6 +179,12 @@ class Config(_Strict):
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
     write_stall_timeout: Duration = timedelta(minutes=5)
     metadata_ttl: Duration = timedelta(seconds=10)
+    # Read path: missing data is fetched in aligned blocks of fetch_block_size (at least; an
+    # object's own integrity blocks may be larger), fetch_concurrency range GETs at once, and
+    # sequential readers get up to readahead_bytes fetched ahead of them.
+    fetch_block_size: int = Field(default=8 * 1024 * 1024, ge=64 * 1024, le=1024**3)
+    fetch_concurrency: int = Field(default=8, ge=1, le=256)
+    readahead_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=16 * 1024**3)
     total_steps: int | None = Field(default=None, ge=1)
     step_regex: str = r"(\d+)(?!.*\d)"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -190,6 +196,13 @@ class Config(_Strict):
     def _absolute(cls, value: Path) -> Path:
         if not value.is_absolute():
             raise ValueError(f"must be an absolute path, not {str(value)!r}")
+        return value
+
+    @field_validator("fetch_block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, not {value}")
         return value
 
     @field_validator("step_regex")
