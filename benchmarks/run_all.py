@@ -1,0 +1,262 @@
+"""Does the two-stage promise hold against the alternatives? One command, one run, side by side.
+
+Runs the questions of benchmarks/README.md ("run_all.py"), one module each in
+benchmarks/questions/, starting what they need (moto on 127.0.0.1, ckptfs / nullfs / rclone
+mounts, a bandwidth-limited store), then prints one markdown table of figures and ratios and
+writes to --out (default benchmarks/results/):
+
+  run_all.json   every raw number, the options and the machine
+  run_all.png    one panel per question (matplotlib)
+
+(``--quick``: run_all.quick.json / run_all.quick.png.)
+
+  Q1 training blocked time: torch.save every K steps, direct to a slow store vs hand-written
+     two-stage vs ckptfs                                          (questions/q1_training.py)
+  Q2 write path: plain dir vs nullfs vs ckptfs vs rclone --vfs-cache-mode writes
+                                                                 (questions/q2_write_path.py)
+  Q3 upload vs raw boto3 upload_file, restore through a fresh mount vs boto3 download_file
+                                                                  (questions/q3_transfer.py)
+  Q4 DCP: 4-process save, 2-process load, ckptfs vs plain dir      (questions/q4_dcp.py)
+  Q5 scale: checkpoint size and files per checkpoint vs blocked time, upload time and daemon
+     peak RSS                                                      (questions/q5_scale.py)
+
+Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode (tiny sizes,
+under a minute) that CI runs so that the scripts do not rot; its numbers mean little.
+
+Usage::
+
+    python benchmarks/run_all.py --quick --out /tmp/bench
+    python benchmarks/run_all.py                        # default sizes, see --help
+    python benchmarks/run_all.py --only q1,q5 --q5-sizes 256,1024,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # questions.*, write_path, upload
+
+from questions.common import Bench, log  # noqa: E402
+
+QUESTIONS = {
+    "q1": "questions.q1_training",
+    "q2": "questions.q2_write_path",
+    "q3": "questions.q3_transfer",
+    "q4": "questions.q4_dcp",
+    "q5": "questions.q5_scale",
+}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, < 1 min")
+    p.add_argument("--only", default=",".join(QUESTIONS), help="questions to run, e.g. q1,q3")
+    p.add_argument("--out", type=Path, default=HERE / "results",
+                   help="where run_all[.quick].json/.png go")
+    p.add_argument("--workdir", type=Path, default=Path("/var/tmp"),
+                   help="temp files, staging dirs and stores go in a fresh dir under here")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.add_argument("--ckptfs-src", type=Path, default=HERE.parent,
+                   help="directory holding the ckptfs package to benchmark (default: this "
+                        "working tree)")
+    p.add_argument("--store-bw", type=float, default=100e6,
+                   help="Q1: bandwidth of the slow shared store, bytes/s")
+    g = p.add_argument_group("sizes (MiB); --quick replaces every default with a tiny one")
+    g.add_argument("--q1-mib", type=int, help="Q1 state dict size [1024]")
+    g.add_argument("--ckpts", type=int, help="Q1 checkpoints per loop [3]")
+    g.add_argument("--every", type=int, help="Q1 steps between checkpoints [5]")
+    g.add_argument("--step-s", type=float, help="Q1 seconds of compute per step [0.5]")
+    g.add_argument("--q2-sizes", type=int_list, help="Q2 file sizes [64,256,1024]")
+    g.add_argument("--q2-torch-mib", type=int, help="Q2 torch.save size [1024]")
+    g.add_argument("--q2-reps", type=int, help="Q2 repetitions, interleaved [3]")
+    g.add_argument("--q3-mib", type=int, help="Q3 upload / restore total size [2048]")
+    g.add_argument("--q3-files", type=int, help="Q3 files [8]")
+    g.add_argument("--q4-mib", type=int, help="Q4 DCP checkpoint size [1024]")
+    g.add_argument("--q5-sizes", type=int_list,
+                   help="Q5 checkpoint sizes, one file [256,1024,2048,4096,8192]")
+    g.add_argument("--q5-files", type=int_list, help="Q5 files per checkpoint [1,4,16,32]")
+    g.add_argument("--q5-files-mib", type=int, help="Q5 checkpoint size of the files sweep [1024]")
+    g.add_argument("--q5-store", choices=("s3", "file"), help="Q5 warm tier [s3]")
+    a = p.parse_args(argv)
+    full = dict(q1_mib=1024, ckpts=3, every=5, step_s=0.5, q2_sizes=[64, 256, 1024],
+                q2_torch_mib=1024, q2_reps=3, q3_mib=2048, q3_files=8, q4_mib=1024,
+                q5_sizes=[256, 1024, 2048, 4096, 8192], q5_files=[1, 4, 16, 32],
+                q5_files_mib=1024, q5_store="s3")
+    quick = dict(q1_mib=32, ckpts=2, every=2, step_s=0.05, q2_sizes=[8, 32], q2_torch_mib=16,
+                 q2_reps=1, q3_mib=32, q3_files=4, q4_mib=8, q5_sizes=[16, 64], q5_files=[1, 8],
+                 q5_files_mib=32, q5_store="s3")
+    for key, value in (quick if a.quick else full).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    a.only = [q.strip() for q in a.only.split(",") if q.strip()]
+    unknown = [q for q in a.only if q not in QUESTIONS]
+    if unknown:
+        p.error(f"unknown question(s) {unknown}; choose from {', '.join(QUESTIONS)}")
+    return a
+
+
+def machine() -> dict[str, Any]:
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    cpu = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    out: dict[str, Any] = {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(), "mem_gib": round(mem / 2**30, 1), "cpu": cpu,
+        "kernel": platform.release(), "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+    }
+    from questions import common
+
+    out["ckptfs_src"] = str(common.CKPTFS_SRC)
+    try:
+        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                                    capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "ckptfs"], cwd=HERE.parent,
+                               capture_output=True, text=True).stdout.strip()
+        out["ckptfs_dirty"] = bool(dirty)  # others edit ckptfs/ in this working tree
+    except OSError:
+        pass
+    for mod in ("torch", "pyfuse3", "trio", "boto3", "moto"):
+        try:
+            out[mod] = importlib.import_module(mod).__version__
+        except Exception:  # noqa: BLE001 (a version is nice to have)
+            pass
+    from questions.common import rclone_binary
+
+    exe = rclone_binary()
+    if exe:
+        out["rclone"] = subprocess.run([exe, "version"], capture_output=True,
+                                       text=True).stdout.split("\n", 1)[0]
+    return out
+
+
+def print_table(results: dict[str, Any], info: dict[str, Any], quick: bool) -> str:
+    lines = [f"## ckptfs benchmarks ({'quick' if quick else 'full'}), {info['date']}, "
+             f"{info['nproc']} CPUs, {info['mem_gib']} GiB RAM, load avg at start "
+             f"{info['loadavg_start'][0]:.2f}", "",
+             "| question | measurement | value | target |", "|---|---|---:|---|"]
+    for q, r in results.items():
+        if "error" in r:
+            last = [x for x in r["error"].splitlines() if x.strip()][-1]
+            lines.append(f"| {q} | FAILED | {last[:160].replace('|', '/')} | |")
+            continue
+        for measure, value, target in r["summary"]:
+            lines.append(f"| {q} | {measure} | {value} | {target} |")
+    text = "\n".join(lines)
+    print("\n" + text + "\n", flush=True)
+    return text
+
+
+def make_plot(results: dict[str, Any], modules: dict[str, Any], path: Path,
+              title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for q, r in results.items():
+        if "error" in r:
+            continue
+        n = getattr(modules[q], "PANELS", 1)
+        panels += [(q, i) for i in range(n)]
+    cols = 3
+    rows = max(1, (len(panels) + cols - 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax, (q, i) in zip(flat, panels):
+        fn = modules[q].plot
+        try:
+            fn(ax, results[q]) if i == 0 else modules[q].plot_extra(ax, results[q], i)
+        except Exception:  # noqa: BLE001 (a broken panel must not lose the JSON)
+            ax.text(0.5, 0.5, f"{q}: plot failed", ha="center")
+            traceback.print_exc()
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from questions import common
+
+    common.CKPTFS_SRC = args.ckptfs_src.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckptfs-run-all-", dir=args.workdir))
+    stem = "run_all.quick" if args.quick else "run_all"
+    info = machine()
+    log(f"work dir {work}; questions {', '.join(args.only)}")
+
+    # SIGTERM behaves like Ctrl-C: every `finally` unmounts what it mounted.
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    results: dict[str, Any] = {}
+    modules: dict[str, Any] = {}
+    bench = Bench(work, args.quick, args)
+    t_all = time.perf_counter()
+    try:
+        with bench.stack:
+            for q in args.only:
+                modules[q] = importlib.import_module(QUESTIONS[q])
+                t0 = time.perf_counter()
+                try:
+                    results[q] = modules[q].run(bench)
+                except Exception:  # noqa: BLE001 (one broken question must not hide the rest)
+                    traceback.print_exc()
+                    results[q] = {"error": traceback.format_exc()}
+                results[q]["wall_s"] = time.perf_counter() - t0
+                log(f"{q} done in {results[q]['wall_s']:.1f} s")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    info["loadavg_end"] = os.getloadavg()
+    info["wall_s"] = time.perf_counter() - t_all
+    table = print_table(results, info, args.quick)
+    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"machine": info, "options": opts, "table": table, "results": results},
+        indent=2, default=str))
+    make_plot(results, modules, args.out / f"{stem}.png",
+              f"ckptfs run_all ({'quick' if args.quick else 'full'}) {info['date']}, "
+              f"{info['nproc']} CPUs, shared machine")
+    log(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')} "
+        f"in {info['wall_s']:.0f} s")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
