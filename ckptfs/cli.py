@@ -48,12 +48,34 @@ READY_TIMEOUT = 120.0
 DAEMON_EXIT_TIMEOUT = 120.0
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+class _OneLineRedacting(logging.Formatter):
+    """One line per event (tracebacks folded), credentials replaced by ``***``."""
+
+    def __init__(self, fmt: str, secrets: list[str]) -> None:
+        super().__init__(fmt)
+        # Longest first: a secret that contains another is replaced whole.
+        self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text.replace("\n", " | ")
+
+
+def _setup_logging(level: str, secrets: list[str] | None = None) -> None:
+    # Under systemd (stderr is the journal) journald adds the time itself.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not os.environ.get("JOURNAL_STREAM"):
+        fmt = "%(asctime)s " + fmt
+    env_secrets = [os.environ.get(k, "") for k in
+                   ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLineRedacting(fmt, [*(secrets or []), *env_secrets]))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    # The AWS SDK's debug output is request dumps, not events: keep it at info and above.
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
 
 
 def _abs(path: Path | None) -> Path | None:
@@ -76,18 +98,27 @@ def mount(
         help="debug, info, warning or error.", show_default=False)] = None,
     foreground: Annotated[bool, typer.Option(
         "--foreground", "-f", help="Serve in this process (systemd, debugging).")] = False,
+    options: Annotated[list[str] | None, typer.Option(
+        "--option", "-o", help="Config keys as mount options: key=value,... "
+        "(as in fstab; see docs/CONFIGURATION.md).", show_default=False)] = None,
     ready_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
 ) -> None:
     """Mount ckptfs at MOUNTPOINT; returns once the mount is ready."""
+    from ckptfs import mounthelper
+
+    parsed = mounthelper.parse_options(options or [])
     # Relative paths are resolved here: the background daemon runs in "/".
-    config_file = config_path(config_file)
-    overrides: dict[str, Any] = {
+    config_file = config_path(config_file or parsed.config)
+    overrides: dict[str, Any] = dict(parsed.overrides)
+    flags: dict[str, Any] = {
         "staging_dir": _abs(staging),
         "store": None if store is None else store_url(store),
         "allow_other": allow_other,
         "log_level": log_level,
     }
-    config = load_config(config_file, overrides)
+    overrides.update({k: v for k, v in flags.items() if v is not None or k not in overrides})
+    names = {k: f"-o {k}" for k in parsed.overrides if flags.get(k) is None}
+    config = load_config(config_file, overrides, flag_names=names)
     if not foreground:
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
@@ -98,11 +129,16 @@ def mount(
 
 def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]) -> None:
     """Start ``mount --foreground`` detached and relay its readiness or its one-line error."""
+    from ckptfs.mounthelper import format_option
+
     args = [sys.executable, "-m", "ckptfs", "mount", os.path.abspath(mountpoint), "--foreground"]
     if config_file is not None:
         args += ["--config", str(config_file)]
     for key, value in overrides.items():
         if value is None:
+            continue
+        if key not in ("staging_dir", "store"):
+            args += ["-o", format_option(key, value)]  # the same keys as mount options
             continue
         flag = "--" + ("staging" if key == "staging_dir" else key.replace("_", "-"))
         if isinstance(value, bool):
@@ -114,6 +150,8 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
     # The daemon runs in "/" (it must not keep a directory busy); make it import the very
     # ckptfs this command runs, not whichever one "/" would find.
     env = dict(os.environ)
+    # Only the process systemd started may notify it (NotifyAccess=main); not this daemon.
+    env.pop("NOTIFY_SOCKET", None)
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     with open(os.devnull, "rb") as devnull:
@@ -151,7 +189,7 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 
     from ckptfs import mount as mount_mod
 
-    _setup_logging(config.log_level)
+    _setup_logging(config.log_level, config.secret_values())
 
     def report(message: str) -> None:
         nonlocal ready_fd
@@ -307,13 +345,22 @@ def status(
             console.print(f"[red]ckptfs {r['mountpoint']}: {r['error']}")
             continue
         table = Table(title=f"ckptfs {r['mountpoint']}", show_header=False, title_justify="left")
-        table.add_row("warm tier", r["warm_tier"])
-        table.add_row("staging", f"{r['staging_dir']} ({_human(r['staging']['free_bytes'])} free)")
+        table.add_row("daemon", f"pid {r['pid']}, up {r['uptime_s']:.0f}s")
+        tiers = r.get("tiers") or [{"name": "warm", "url": r["warm_tier"]}]
+        table.add_row("tiers", "\n".join(f"{t['name']}: {t['url']}" for t in tiers))
+        staging = r["staging"]
+        table.add_row("staging", f"{r['staging_dir']}: {_human(staging.get('used_bytes', 0))} "
+                      f"held, {_human(staging['free_bytes'])} free of "
+                      f"{_human(staging['total_bytes'])}")
         table.add_row("queue", f"{r['queue']['files']} files, {_human(r['queue']['bytes'])}")
         table.add_row("uploaded", f"{r['uploaded']['files']} files, "
                                   f"{_human(r['uploaded']['bytes'])}")
-        table.add_row("rate", f"{_human(r['upload_rate_bytes_per_s'])}/s"
+        table.add_row("upload rate", f"{_human(r['upload_rate_bytes_per_s'])}/s"
                       + (f", ETA {r['eta_s']:.0f}s" if r["eta_s"] else ""))
+        if "fetch" in r:
+            table.add_row("fetched", f"{_human(r['fetch']['bytes'])}, "
+                          f"{_human(r['fetch']['rate_bytes_per_s'])}/s")
+            table.add_row("writers stalled", f"{r['write_stall_s']:.1f}s")
         table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
                       or "none")
         table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")

@@ -189,6 +189,9 @@ class Config(_Strict):
     step_regex: str = r"(\d+)(?!.*\d)"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fuse_workers: int = Field(default=64, ge=1, le=1024)
+    # Prometheus endpoint (metrics.py): off unless a port is given.
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    metrics_address: str = "0.0.0.0"
     tier: tuple[TierConfig, ...] = Field(default_factory=_default_tiers)
 
     @field_validator("staging_dir")
@@ -237,6 +240,15 @@ class Config(_Strict):
     def warm(self) -> TierConfig:
         """The tier every closed file is uploaded to (stage 2)."""
         return self.tier[1]
+
+    def secret_values(self) -> list[str]:
+        """Every credential in the configuration: logs and ``status`` must never show them."""
+        values = []
+        for t in self.tier:
+            for secret in (t.access_key_id, t.secret_access_key):
+                if secret is not None and secret.get_secret_value():
+                    values.append(secret.get_secret_value())
+        return values
 
 
 def _format_validation_error(
@@ -309,11 +321,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise UserError(f"config file {path} is not valid TOML: it is not UTF-8 text") from None
 
 
-def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None,
+                flag_names: dict[str, str] | None = None) -> Config:
     """Load ``path`` (or $CKPTFS_CONFIG, or nothing) and apply CLI ``overrides``.
 
     Overrides use config keys, plus ``store`` which replaces the warm tier's URL.
+    ``flag_names`` names how an override was given (``-o upload_concurrency``) in errors.
     """
+    names = {**_FLAG_NAMES, **(flag_names or {})}
     path = config_path(path)
     data: dict[str, Any] = {}
     source = "defaults"
@@ -326,7 +341,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     for key, value in overrides.items():
         if value is not None:
             data[key] = value
-            flags[key] = _FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+            flags[key] = names.get(key, "--" + key.replace("_", "-"))
     if store is not None:
         url = store_url(store)
         if "tier" not in data:
@@ -342,7 +357,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             tiers = [dict(t) for t in tiers]
             tiers[1]["url"] = url
             data["tier"] = tiers
-            flags["tier.1.url"] = "--store"
+            flags["tier.1.url"] = names.get("store", "--store")
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

@@ -17,12 +17,15 @@ import os
 import socket
 import stat
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 
+from ckptfs.config import Config
 from ckptfs.fs import Filesystem
 from ckptfs.journal import State
 from ckptfs.upload import Uploader
@@ -30,16 +33,21 @@ from ckptfs.upload import Uploader
 log = logging.getLogger(__name__)
 SOCKET_NAME = "control.sock"
 PROGRESS_INTERVAL = 0.25
+RATE_WINDOW = 60.0  # seconds over which upload and fetch rates are averaged
 
 
 class ControlServer:
-    def __init__(self, fs: Filesystem, uploader: Uploader, mountpoint: Path, tier_url: str) -> None:
+    def __init__(self, fs: Filesystem, uploader: Uploader, mountpoint: Path, tier_url: str,
+                 config: Config | None = None) -> None:
         self.fs = fs
         self.uploader = uploader
         self.mountpoint = mountpoint
         self.tier_url = tier_url
+        self.config = config
         self.path = fs.staging.root / SOCKET_NAME
         self.started = time.time()
+        # (monotonic time, bytes fetched so far), sampled every second, for the fetch rate.
+        self._fetch_samples: deque[tuple[float, int]] = deque(maxlen=int(RATE_WINDOW) + 1)
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -58,6 +66,7 @@ class ControlServer:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, self._handle, [listener])
+                nursery.start_soon(self._sample_rates)
                 task_status.started()
         finally:
             try:
@@ -81,6 +90,41 @@ class ControlServer:
             except ValueError as exc:
                 await _send(stream, {"error": f"bad request: {exc}"})
 
+    async def _sample_rates(self) -> None:
+        while True:
+            self._fetch_samples.append((time.monotonic(), self.fetched_bytes()))
+            await trio.sleep(1)
+
+    def _fetch_stats(self) -> Any:
+        fetcher = self.fs.fetcher
+        return getattr(fetcher, "stats", fetcher)  # the counters, wherever the fetcher keeps them
+
+    def fetched_bytes(self) -> int:
+        return int(getattr(self._fetch_stats(), "fetched_bytes", 0))
+
+    def fetch_failures(self) -> int:
+        stats = self._fetch_stats()
+        return int(getattr(stats, "integrity_failures", getattr(stats, "failures", 0)))
+
+    def fetch_rate(self) -> float:
+        if len(self._fetch_samples) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = self._fetch_samples[0], self._fetch_samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def tiers(self) -> list[dict[str, Any]]:
+        """Name, URL and endpoint of each tier; never credentials."""
+        if self.config is None:
+            return [{"name": "warm", "url": self.tier_url}]
+        out: list[dict[str, Any]] = [{"name": self.config.tier[0].name,
+                                      "url": self.fs.staging.root.as_uri()}]
+        for t in self.config.tier[1:]:
+            entry: dict[str, Any] = {"name": t.name, "url": t.url}
+            if t.endpoint_url:
+                entry["endpoint_url"] = _without_userinfo(t.endpoint_url)
+            out.append(entry)
+        return out
+
     def _pending_rows(self, prefix: str | None) -> list[tuple[str, int, str]]:
         rows = []
         for row in self.fs.journal.rows_in_states(State.STAGED, State.UPLOADING):
@@ -97,8 +141,8 @@ class ControlServer:
         pending = self._pending_rows(None)
         stats = self.uploader.stats
         now = time.monotonic()
-        window = [(t, n) for t, n in stats.recent if now - t < 60]
-        rate = sum(n for _, n in window) / 60 if window else 0.0
+        window = [(t, n) for t, n in stats.recent if now - t < RATE_WINDOW]
+        rate = sum(n for _, n in window) / RATE_WINDOW if window else 0.0
         pending_bytes = sum(size for _, size, _ in pending)
         incomplete = [
             os.fsdecode(self.fs.journal.path_of(r.ino) or b"?")
@@ -122,11 +166,25 @@ class ControlServer:
             "upload_rate_bytes_per_s": round(rate, 1),
             "eta_s": round(pending_bytes / rate, 1) if rate > 0 else None,
             "retries": stats.retries,
+            "failures": stats.failures,
+            "fetch": {"bytes": self.fetched_bytes(),
+                      "failures": self.fetch_failures(),
+                      "rate_bytes_per_s": round(self.fetch_rate(), 1)},
+            "write_stall_s": round(self.fs.stall_seconds, 3),
+            "tiers": self.tiers(),
+            "options": {} if self.config is None else {
+                "upload_concurrency": self.config.upload_concurrency,
+                "fsync": self.config.fsync, "unlink": self.config.unlink,
+                "allow_other": self.config.allow_other,
+                "metrics_port": self.config.metrics_port,
+            },
             "failed": [{"item": str(w.target or w.key), "error": w.error, "attempts": w.attempts}
                        for w in self.uploader.failed()],
             "incomplete": incomplete,
             "staging": {"free_bytes": st.f_bavail * st.f_frsize,
-                        "total_bytes": st.f_blocks * st.f_frsize},
+                        "total_bytes": st.f_blocks * st.f_frsize,
+                        "used_bytes": self.fs.space.used,
+                        "max_bytes": self.fs.space.max_bytes},
         }
 
     async def _sync(self, stream: trio.SocketStream, path: str | None) -> None:
@@ -164,6 +222,14 @@ class ControlServer:
                 return
             with trio.move_on_after(PROGRESS_INTERVAL):
                 await self.uploader.wait_until_done(upto)
+
+
+def _without_userinfo(url: str) -> str:
+    """``https://user:pass@host/`` -> ``https://host/``: credentials never leave the daemon."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
 async def _read_line(stream: trio.SocketStream, limit: int = 65536) -> str:

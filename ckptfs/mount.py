@@ -90,6 +90,7 @@ async def serve(
     sys.setswitchinterval(0.0005)
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
+    _owner_only(staging.root, JOURNAL_NAME)
     try:
         fs = Filesystem(
             journal, staging, unlink_remote=config.unlink == "posix",
@@ -103,7 +104,13 @@ async def serve(
                             concurrency=config.upload_concurrency, markers=config.commit_markers)
         fs.listener = uploader
         uploader.requeue_from_journal()
-        control = ControlServer(fs, uploader, mountpoint, config.warm.url or "")
+        control = ControlServer(fs, uploader, mountpoint, config.warm.url or "", config)
+        metrics = None
+        if config.metrics_port is not None:
+            from ckptfs.metrics import MetricsServer
+
+            metrics = MetricsServer(control)
+            await metrics.listen(config.metrics_address, config.metrics_port)
         fs.daemon_info = {
             "pid": os.getpid(),
             "staging_dir": str(staging.root),
@@ -113,6 +120,8 @@ async def serve(
         async with trio.open_nursery() as nursery:
             await nursery.start(uploader.run)
             await nursery.start(control.serve)
+            if metrics is not None:
+                nursery.start_soon(metrics.serve)
             pyfuse3.init(FuseOps(fs), str(mountpoint), fuse_options(config))
             try:
                 log.info("mounted %s (staging %s, warm tier %s)", mountpoint, staging.root,
@@ -133,6 +142,16 @@ async def serve(
         staging.close()
         with trio.CancelScope(shield=True):
             await tier.aclose()
+
+
+def _owner_only(root: Path, journal_name: str) -> None:
+    """The journal (and SQLite's -wal/-shm files) readable by the daemon's user only: it
+    names every file of the mount. The staging directory itself is 0700 (staging.py)."""
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            os.chmod(root / (journal_name + suffix), 0o600)
+        except FileNotFoundError:
+            pass
 
 
 async def _terminate_on_signal() -> None:

@@ -82,6 +82,8 @@ class UploadStats:
     retries: int = 0
     failures: int = 0
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) for rates
+    # Called with (seconds, bytes) after each upload (metrics.py's latency histogram).
+    observers: list[Callable[[float, int], None]] = field(default_factory=list)
 
 
 def file_checksum(path: Path, size: int) -> str:
@@ -405,6 +407,8 @@ class Uploader:
         self.stats.uploaded_bytes += size
         self.stats.recent.append((time.monotonic(), size))
         del self.stats.recent[:-256]
+        for observe in self.stats.observers:
+            observe(time.monotonic() - started, size)
         log.debug("uploaded %s (%d bytes) in %.2fs", key, size, time.monotonic() - started)
         old_key = row.remote_key
         try:

@@ -17,3 +17,5 @@ fi
 PYTHON="${PYTHON:-python3}"
 # torch==2.13.0 is the CPU build; it is only a test/demo extra, never a runtime dependency.
 "$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test,demo]'
+# mount(8) helper /sbin/mount.ckptfs and the systemd unit (tests mount through fstab too).
+$SUDO env PYTHON="$(command -v "$PYTHON")" bash mount/install.sh

@@ -1,0 +1,175 @@
+"""Optional Prometheus endpoint: ``http://<metrics_address>:<metrics_port>/metrics``.
+
+Off unless ``metrics_port`` is set. The names are documented in docs/OPERATIONS.md (a test
+checks that every documented name is served).
+
+Invariants:
+- Read-only: a scrape reads the counters the daemon keeps anyway (the uploader's stats, the
+  filesystem's stall time and space budget, the fetcher's counters, the control server's
+  status) and changes nothing. Only the upload latency histogram is fed as uploads finish.
+- The HTTP server is a trio task in the mount's nursery, on the trio thread like every other
+  reader of that state: no thread, no lock. A slow or broken client cannot hold it up.
+- No paths, keys or credentials in labels: only the mountpoint and warm tier URL, in
+  ``ckptfs_info``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ckptfs import __version__
+from ckptfs.control import ControlServer
+from ckptfs.errors import UserError
+
+log = logging.getLogger(__name__)
+
+UPLOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+REQUEST_LIMIT = 8192
+CLIENT_TIMEOUT = 10.0
+
+
+class _DaemonCollector(Collector):
+    """Turns the daemon's own counters into metric families at each scrape."""
+
+    def __init__(self, control: ControlServer) -> None:
+        self.control = control
+
+    def collect(self) -> Iterator[Metric]:
+        control = self.control
+        fs, stats = control.fs, control.uploader.stats
+        status = control.status()
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        info = GaugeMetricFamily("ckptfs_info", "The mount this daemon serves (always 1).",
+                                 labels=["version", "mountpoint", "warm_tier"])
+        info.add_metric([__version__, str(control.mountpoint), control.tier_url], 1)
+        yield info
+        written = getattr(fs, "bytes_written", None)
+        if written is not None:  # kept by the filesystem core when it counts writes
+            yield counter("ckptfs_written_bytes", "Bytes written by applications.", written)
+        yield counter("ckptfs_uploaded_bytes", "Bytes uploaded to the warm tier.",
+                      stats.uploaded_bytes)
+        yield counter("ckptfs_uploaded_files", "Files uploaded to the warm tier.",
+                      stats.uploaded_files)
+        yield counter("ckptfs_moved_files", "Files moved on the warm tier (renames).",
+                      stats.moved)
+        yield counter("ckptfs_deleted_objects", "Objects deleted from the warm tier.",
+                      stats.deleted)
+        yield counter("ckptfs_upload_retries", "Failed warm-tier operations (each is retried).",
+                      stats.retries)
+        yield counter("ckptfs_upload_failures",
+                      "Failed warm-tier operations whose error is not transient.",
+                      stats.failures)
+        fetch = status["fetch"]
+        yield counter("ckptfs_fetched_bytes", "Bytes fetched from the warm tier by reads.",
+                      fetch["bytes"])
+        yield counter("ckptfs_fetch_failures", "Fetches that failed their checksum.",
+                      fetch["failures"])
+        yield counter("ckptfs_write_stall_seconds",
+                      "Time writers waited for staging space.", fs.stall_seconds)
+        queue = status["queue"]
+        yield gauge("ckptfs_queue_files", "Closed files not yet committed to the warm tier.",
+                    queue["files"])
+        yield gauge("ckptfs_queue_bytes", "Bytes of closed files not yet committed.",
+                    queue["bytes"])
+        yield gauge("ckptfs_queue_items",
+                    "Work items of the uploader (uploads, moves, deletions) outstanding.",
+                    queue["work_items"])
+        yield gauge("ckptfs_failing_items", "Work items whose last attempt failed.",
+                    len(status["failed"]))
+        yield gauge("ckptfs_incomplete_files",
+                    "Files whose writer never closed them (kept locally, never uploaded).",
+                    len(status["incomplete"]))
+        staging = status["staging"]
+        yield gauge("ckptfs_staging_used_bytes", "Bytes of file data held on local NVMe.",
+                    staging["used_bytes"])
+        yield gauge("ckptfs_staging_free_bytes", "Free bytes on the staging filesystem.",
+                    staging["free_bytes"])
+        yield gauge("ckptfs_staging_size_bytes", "Size of the staging filesystem.",
+                    staging["total_bytes"])
+        yield gauge("ckptfs_upload_rate_bytes_per_second",
+                    "Upload throughput over the last minute.", status["upload_rate_bytes_per_s"])
+
+
+class MetricsServer:
+    """The ``/metrics`` endpoint of one mount."""
+
+    def __init__(self, control: ControlServer) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_DaemonCollector(control))
+        self.upload_seconds = Histogram(
+            "ckptfs_upload_seconds", "Time to upload one file to the warm tier.",
+            buckets=UPLOAD_BUCKETS, registry=self.registry)
+        control.uploader.stats.observers.append(self._uploaded)
+        self._listeners: list[trio.SocketListener] = []
+
+    def _uploaded(self, seconds: float, nbytes: int) -> None:
+        self.upload_seconds.observe(seconds)
+
+    async def listen(self, address: str, port: int) -> None:
+        """Bind now (a port in use fails the mount with one line), serve later."""
+        try:
+            self._listeners = await trio.open_tcp_listeners(port, host=address or None)
+        except OSError as exc:
+            raise UserError(f"metrics_port {port}: cannot listen on {address or '*'}:{port}: "
+                            f"{exc.strerror or exc}") from None
+        log.info("metrics on http://%s:%d/metrics", address or "*", port)
+
+    async def serve(self) -> None:
+        """Serve scrapes on the sockets ``listen`` bound, until cancelled."""
+        await trio.serve_listeners(self._handle, self._listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            with trio.move_on_after(CLIENT_TIMEOUT):
+                try:
+                    await self._answer(stream)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head and b"\n\n" not in head:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return
+            head += chunk
+            if len(head) > REQUEST_LIMIT:
+                await _respond(stream, 431, b"request too large\n")
+                return
+        words = head.split(b"\r\n", 1)[0].split()
+        if len(words) < 2 or words[0] not in (b"GET", b"HEAD"):
+            await _respond(stream, 405, b"only GET\n")
+            return
+        path = words[1].split(b"?", 1)[0]
+        if path not in (b"/metrics", b"/"):
+            await _respond(stream, 404, b"not found: try /metrics\n")
+            return
+        body = generate_latest(self.registry)
+        await _respond(stream, 200, body, CONTENT_TYPE_LATEST, head_only=words[0] == b"HEAD")
+
+
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large"}
+
+
+async def _respond(stream: trio.SocketStream, code: int, body: bytes,
+                   content_type: str = "text/plain; charset=utf-8", *,
+                   head_only: bool = False) -> None:
+    headers: dict[str, Any] = {"Content-Type": content_type, "Content-Length": len(body),
+                               "Connection": "close"}
+    lines = [f"HTTP/1.1 {code} {_REASONS[code]}"] + [f"{k}: {v}" for k, v in headers.items()]
+    await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode()
+                          + (b"" if head_only else body))
