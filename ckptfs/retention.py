@@ -1,0 +1,671 @@
+"""Retention: which checkpoint lives in which tier (DESIGN.md §4, docs/RETENTION.md).
+
+Two parts:
+- ``plan(checkpoints, policy, now) -> [Action]`` is pure: it sees checkpoints (checkpoints.py)
+  and the tiers' ``keep`` rules and says what to copy, remove, evict and delete.
+- ``Retention`` collects the checkpoints from the namespace and the tiers, applies a plan
+  (copy, verify, then remove), and runs as a task in the mount's nursery: every
+  ``retention_interval`` and after the uploader went idle following a commit.
+
+Selection, per tier (the union of its rules; complete checkpoints only, but for milestones):
+- ``last = N``: the N highest steps;
+- ``hourly/daily/weekly = W``: the newest checkpoint of each UTC hour / day / week (weeks
+  start on Monday) whose time is within W of now;
+- ``milestones = [f, ...]``: for each fraction, the checkpoint with the smallest step at or
+  past ``f * total_steps`` (any checkpoint, so that the choice never moves once made).
+
+Invariants the planner keeps (tests/test_retention.py checks them with hypothesis):
+- a checkpoint that is being written, uploaded, or has an incomplete file is never touched;
+- a copy is removed only once every tier that must hold the checkpoint holds it, and never
+  the last committed copy on a tier other than NVMe; the NVMe copy is evicted only while such
+  a copy exists and stays;
+- the newest complete checkpoint is always kept (where it is, if no rule selects it);
+- milestones are never deleted; pointers (names with no step) are never removed, and are
+  copied to every location that holds checkpoint data.
+
+Tiers that share one location (``s3://b/p`` and ``s3://b/p?storage_class=GLACIER``) are one
+copy per key: a checkpoint several of them select is kept in the warmest of them (it serves
+the colder ones' purpose too), and moving it to a colder one is an in-place storage-class
+transition. Leaving an archive class (GLACIER, DEEP_ARCHIVE) needs a restore first: such a
+step is planned but marked blocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import trio
+
+from ckptfs.checkpoints import (
+    HOT,
+    Checkpoint,
+    LocalFile,
+    RemoteFile,
+    build,
+    journal_files,
+    top_level,
+)
+from ckptfs.config import Config, KeepRules, TierConfig
+from ckptfs.errors import CkptfsError
+from ckptfs.journal import ROOT_INODE, Row, State
+from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta, Tier
+from ckptfs.tiers.transfer import copy_object, verify
+
+if TYPE_CHECKING:
+    from ckptfs.fs import Filesystem
+
+log = logging.getLogger(__name__)
+
+HOUR, DAY, WEEK = 3600, 86400, 7 * 86400
+_MONDAY = 4 * DAY  # 1970-01-05 was a Monday: weeks start there
+MAX_ROUNDS = 3
+# Objects in these classes must be restored before they can be read or copied.
+ARCHIVE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
+
+
+# -- policy ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    name: str
+    keep: KeepRules = field(default_factory=KeepRules)
+    # Tiers with the same location share keys (one object per key; the class tells the tier).
+    location: str = ""
+    # Tiers in one group copy server-side (no data through this node).
+    group: str = ""
+    storage_class: str = "STANDARD"
+    cost_per_tb_month: float = 0.0
+    url: str = ""
+
+    @property
+    def archived(self) -> bool:
+        return self.storage_class in ARCHIVE_CLASSES
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    tiers: tuple[TierPolicy, ...]  # hot first
+    total_steps: int | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
+
+    def tier(self, name: str) -> TierPolicy:
+        return next(t for t in self.tiers if t.name == name)
+
+    @classmethod
+    def from_config(cls, config: Config) -> Policy:
+        return cls(tuple(tier_policy(t) for t in config.tier), config.total_steps)
+
+
+def tier_policy(config: TierConfig) -> TierPolicy:
+    location, group, cls = tier_location(config)
+    return TierPolicy(config.name, config.keep, location, group, cls,
+                      config.cost_per_tb_month, config.url or "")
+
+
+def tier_location(config: TierConfig) -> tuple[str, str, str]:
+    """(location, server-side copy group, storage class) of a tier."""
+    if config.url is None:
+        return HOT, HOT, "STANDARD"
+    parts = urlsplit(config.url)
+    if parts.scheme == "s3":
+        endpoint = config.endpoint_url or ""
+        cls = parse_qs(parts.query).get("storage_class", ["STANDARD"])[-1]
+        prefix = parts.path.strip("/")
+        return f"s3:{endpoint}:{parts.netloc}/{prefix}", f"s3:{endpoint}", cls
+    if parts.scheme == "file":
+        path = os.path.normpath(unquote(parts.path))
+        return f"file:{path}", f"file:{path}", "STANDARD"
+    return f"memory:{parts.netloc}{parts.path}", "memory", "STANDARD"
+
+
+# -- selection ---------------------------------------------------------------------------
+
+
+def _order(c: Checkpoint) -> tuple[int, float, str]:
+    return (c.step if c.step is not None else -1, c.time or 0.0, c.name)
+
+
+def newest_complete(checkpoints: Iterable[Checkpoint]) -> Checkpoint | None:
+    done = [c for c in checkpoints if c.step is not None and c.complete]
+    return max(done, key=_order, default=None)
+
+
+def milestone_steps(policy: Policy) -> dict[str, list[tuple[float, float]]]:
+    """Per tier, (fraction, target step) of each milestone."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for t in policy.tiers:
+        if t.keep.milestones and policy.total_steps:
+            out[t.name] = [(f, f * policy.total_steps) for f in t.keep.milestones]
+    return out
+
+
+def milestones(checkpoints: Sequence[Checkpoint], policy: Policy) -> dict[str, set[str]]:
+    """Checkpoint name -> the tiers for which it is a milestone."""
+    stepped = sorted((c for c in checkpoints if c.step is not None), key=_order)
+    found: dict[str, set[str]] = {}
+    for tier, targets in milestone_steps(policy).items():
+        for _, target in targets:
+            chosen = next((c for c in stepped if c.step is not None
+                           and c.step >= target - 1e-9), None)
+            if chosen is not None:
+                found.setdefault(chosen.name, set()).add(tier)
+    return found
+
+
+def select(checkpoints: Sequence[Checkpoint], policy: Policy, now: float
+           ) -> dict[str, dict[str, list[str]]]:
+    """Per tier: checkpoint name -> the rules that select it ("last 3", "daily", ...)."""
+    complete = sorted((c for c in checkpoints if c.step is not None and c.complete),
+                      key=_order, reverse=True)
+    stepped = sorted((c for c in checkpoints if c.step is not None), key=_order)
+    result: dict[str, dict[str, list[str]]] = {}
+    for t in policy.tiers:
+        chosen: dict[str, list[str]] = {}
+        keep = t.keep
+        if keep.last:
+            for c in complete[:keep.last]:
+                chosen.setdefault(c.name, []).append(f"last {keep.last}")
+        for rule, window, width, offset in (("hourly", keep.hourly, HOUR, 0),
+                                            ("daily", keep.daily, DAY, 0),
+                                            ("weekly", keep.weekly, WEEK, _MONDAY)):
+            if window is None:
+                continue
+            since = now - window.total_seconds()
+            buckets: set[int] = set()
+            for c in complete:  # newest first: the first seen in a bucket is its newest
+                if c.time is None or c.time < since:
+                    continue
+                bucket = math.floor((c.time - offset) / width)
+                if bucket not in buckets:
+                    buckets.add(bucket)
+                    chosen.setdefault(c.name, []).append(rule)
+        if keep.milestones and policy.total_steps:
+            for fraction in keep.milestones:
+                target = fraction * policy.total_steps
+                first = next((c for c in stepped if c.step is not None
+                              and c.step >= target - 1e-9), None)
+                if first is not None:
+                    chosen.setdefault(first.name, []).append(f"milestone {fraction:g}")
+        result[t.name] = chosen
+    return result
+
+
+# -- the plan ----------------------------------------------------------------------------
+
+ActionKind = Literal["copy", "remove", "evict", "delete"]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    kind: ActionKind
+    checkpoint: str
+    tier: str | None = None  # copy: the target; remove: the tier it leaves
+    source: str | None = None  # copy: where from
+    blocked: str | None = None  # why it cannot run yet (a restore from archive is needed)
+
+    def describe(self) -> str:
+        if self.kind == "copy":
+            text = f"copy {self.source} -> {self.tier}"
+        elif self.kind == "remove":
+            text = f"remove from {self.tier}"
+        elif self.kind == "evict":
+            text = "evict from hot"
+        else:
+            text = "delete"
+        return text + (f" (blocked: {self.blocked})" if self.blocked else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "checkpoint": self.checkpoint, "tier": self.tier,
+                "source": self.source, "blocked": self.blocked, "text": self.describe()}
+
+
+def plan(checkpoints: Sequence[Checkpoint], policy: Policy, now: float) -> list[Action]:
+    """What to do so that each tier holds what its rules select (see the module docstring)."""
+    order = policy.names
+    loc = {t.name: t.location for t in policy.tiers}
+    group = {t.name: t.group for t in policy.tiers}
+    archived = {t.name for t in policy.tiers if t.archived}
+    remote = [n for n in order if n != HOT]
+    selected = select(checkpoints, policy, now)
+    newest = newest_complete(checkpoints)
+    actions: list[Action] = []
+    data_locations: set[str] = set()
+
+    def source_for(c: Checkpoint, dst: str) -> tuple[str, str | None]:
+        holders = [t for t in order if t in c.held]
+        readable = [t for t in holders if t not in archived]
+        for pool in (
+            [t for t in readable if t != HOT and loc[t] == loc[dst]],  # in-place transition
+            [t for t in readable if t != HOT and group[t] == group[dst]],  # server-side
+            [t for t in readable if t == HOT],  # local NVMe
+            [t for t in readable if t != HOT],
+        ):
+            if pool:
+                return pool[0], None
+        src = next((t for t in holders if t != HOT), "?")
+        return src, f"only an archived copy ({src}) exists: restore it first"
+
+    for c in checkpoints:
+        if c.step is None:
+            continue
+        present = [t for t in remote if t in c.held or t in c.partial]
+        holders = [t for t in remote if t in c.held]
+        if c.busy is not None or not holders:
+            # Busy: not ours to touch. Complete but on no remote tier (its store copy was
+            # lost): nothing is safe to do.
+            data_locations.update(loc[t] for t in holders)
+            continue
+        wanted = {t for t in order if c.name in selected.get(t, {})}
+        if not wanted:
+            if (newest is not None and c.name == newest.name) or c.in_use:
+                data_locations.update(loc[t] for t in holders)
+                continue  # the newest is always kept, where it is; one in use is kept for now
+            actions.append(Action("delete", c.name))
+            continue
+        # Per location, the warmest tier that wants it; with none, the warmest holder.
+        required: list[str] = []
+        for t in remote:
+            if t in wanted and not any(loc[r] == loc[t] for r in required):
+                required.append(t)
+        if not required:
+            required = [holders[0]]
+        kept = set(holders)
+        missing = [t for t in required if t not in c.held]
+        for dst in missing:
+            src, blocked = source_for(c, dst)
+            actions.append(Action("copy", c.name, dst, src, blocked))
+            if blocked is None:
+                kept.add(dst)
+        if not missing:
+            for t in present:
+                if t not in required:
+                    actions.append(Action("remove", c.name, t))
+                    kept.discard(t)
+        data_locations.update(loc[t] for t in kept)
+        if (HOT in c.held or HOT in c.partial) and HOT not in wanted and not c.in_use \
+                and any(t in c.held for t in required):
+            actions.append(Action("evict", c.name))
+    for c in checkpoints:
+        if c.step is not None or c.busy is not None:
+            continue
+        have = {loc[t] for t in remote if t in c.held}
+        if not have:
+            continue  # not uploaded yet (or from a failed copy): the uploader's job
+        for location in sorted(data_locations - have, key=lambda x: _first(order, loc, x)):
+            dst = next(t for t in remote if loc[t] == location)
+            src, blocked = source_for(c, dst)
+            actions.append(Action("copy", c.name, dst, src, blocked))
+    return actions
+
+
+def _first(order: Sequence[str], loc: Mapping[str, str], location: str) -> int:
+    return next(i for i, t in enumerate(order) if loc[t] == location)
+
+
+# -- what ls-tiers shows -----------------------------------------------------------------
+
+
+def report(checkpoints: Sequence[Checkpoint], policy: Policy, now: float,
+           actions: Sequence[Action], tier_bytes: Mapping[str, int] | None = None
+           ) -> dict[str, Any]:
+    """The JSON of ``ckptfs ls-tiers --json`` (stable: keys are only ever added)."""
+    selected = select(checkpoints, policy, now)
+    by_ckpt: dict[str, list[Action]] = {}
+    for a in actions:
+        by_ckpt.setdefault(a.checkpoint, []).append(a)
+    newest = newest_complete(checkpoints)
+    rows = []
+    for c in checkpoints:
+        tiers = {}
+        for t in policy.names:
+            if t in c.restoring:
+                state = "restoring"
+            elif t in c.held:
+                state = "committed"
+            elif t == policy.names[1] and c.busy == "uploading":
+                state = f"uploading {100 * (c.progress or 0.0):.0f}%"
+            elif t in c.partial:
+                state = "partial"
+            else:
+                state = "absent"
+            tiers[t] = state
+        kept_by = [f"{t}: {rule}" for t in policy.names for rule in selected[t].get(c.name, [])]
+        if c.step is None:
+            kept_by = ["pointer"]
+        elif not kept_by and newest is not None and c.name == newest.name:
+            kept_by = ["newest complete"]
+        elif c.busy is not None:
+            kept_by = kept_by or [c.busy]
+        rows.append({
+            "name": c.name, "step": c.step, "size": c.size, "time": c.time,
+            "age_s": None if c.time is None else round(now - c.time, 1),
+            "state": "pointer" if c.step is None and c.busy is None else (c.busy or "complete"),
+            "tiers": tiers, "kept_by": kept_by,
+            "next": [a.describe() for a in by_ckpt.get(c.name, [])],
+        })
+    if tier_bytes is None:
+        tier_bytes = {t: sum(c.size for c in checkpoints if t in c.held) for t in policy.names}
+    tiers_out: list[dict[str, Any]] = []
+    for tp in policy.tiers:
+        nbytes = int(tier_bytes.get(tp.name, 0))
+        tiers_out.append({
+            "name": tp.name, "url": tp.url or "(staging)", "storage_class": tp.storage_class,
+            "bytes": nbytes, "cost_per_tb_month": tp.cost_per_tb_month,
+            "monthly_cost": round(nbytes / 1e12 * tp.cost_per_tb_month, 6),
+        })
+    return {
+        "now": now,
+        "total_steps": policy.total_steps,
+        "checkpoints": rows,
+        "tiers": tiers_out,
+        "total": {"bytes": sum(t["bytes"] for t in tiers_out),
+                  "monthly_cost": round(sum(t["monthly_cost"] for t in tiers_out), 6)},
+        "plan": [a.as_dict() for a in actions],
+    }
+
+
+# -- the applier -------------------------------------------------------------------------
+
+
+class RetentionError(CkptfsError):
+    """An action failed (it is retried at the next run)."""
+
+
+@dataclass
+class RunResult:
+    done: list[Action] = field(default_factory=list)
+    failed: list[tuple[Action, str]] = field(default_factory=list)
+    blocked: list[Action] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"done": [a.as_dict() for a in self.done],
+                "failed": [{**a.as_dict(), "error": e} for a, e in self.failed],
+                "blocked": [a.as_dict() for a in self.blocked]}
+
+
+@dataclass
+class Snapshot:
+    """One collection: the checkpoints and what the planner and applier need besides."""
+
+    checkpoints: list[Checkpoint]
+    local: dict[str, LocalFile]
+    remote: dict[str, list[RemoteFile]]  # tier -> its objects (files only)
+    tier_bytes: dict[str, int]
+    now: float
+
+
+class Retention:
+    """Collects state, plans and applies; one run at a time.
+
+    ``fs`` is the filesystem core (``None``: a store without a journal, nothing local); it
+    evicts NVMe copies (``Filesystem.evict``) and removes deleted checkpoints from the
+    namespace (``unlink``/``rmdir``, as the application would). ``tiers`` maps every tier but
+    ``hot`` to an open ``Tier``.
+    """
+
+    def __init__(
+        self, policy: Policy, tiers: Mapping[str, Tier], *, step_regex: str,
+        fs: Filesystem | None = None, scratch: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        upload_progress: Callable[[], Mapping[str, float]] | None = None,
+        on_removed: Callable[[str], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.tiers = dict(tiers)
+        self.step_regex = step_regex
+        self.fs = fs
+        self.scratch = scratch
+        self.clock = clock
+        self.upload_progress = upload_progress
+        self.on_removed = on_removed
+        self._lock = trio.Lock()
+        self._meta_cache: dict[tuple[str, str, int, str | None], ObjectMeta] = {}
+        self.last_run: dict[str, Any] | None = None
+
+    # -- state ------------------------------------------------------------------------
+
+    async def collect(self, now: float | None = None) -> Snapshot:
+        now = self.clock() if now is None else now
+        files: list[LocalFile] = []
+        names: list[str] = []
+        if self.fs is not None:
+            files, names = journal_files(self.fs.ns)
+        known = {top_level(f.key) for f in files}
+        remote: dict[str, list[RemoteFile]] = {t: [] for t in self.tiers}
+        locations: dict[str, list[TierPolicy]] = {}
+        for t in self.policy.tiers:
+            if t.name != HOT:
+                locations.setdefault(t.location, []).append(t)
+        for members in locations.values():
+            infos = await self.tiers[members[0].name].list()
+            for info in infos:
+                if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY:
+                    continue
+                owner = next((m for m in members if m.storage_class == info.storage_class),
+                             members[0])
+                meta = info.meta if info.meta_known else None
+                if meta is None and (top_level(info.key) not in known
+                                     or self._is_pointer(info.key)):
+                    meta = await self._head(owner.name, info)
+                remote[owner.name].append(RemoteFile(
+                    info.key, info.size, meta.checksum if meta else None,
+                    meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
+                    info.storage_class, info.restore_state == "ongoing"))
+        progress = dict(self.upload_progress()) if self.upload_progress else {}
+        checkpoints = build(files, remote, step_regex=self.step_regex,
+                            tier_order=self.policy.names, local_entries=names,
+                            progress=progress)
+        tier_bytes = {t: sum(r.size for r in remote[t]) for t in remote}
+        tier_bytes[HOT] = sum(f.size for f in files if f.local)
+        return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now)
+
+    def _is_pointer(self, key: str) -> bool:
+        from ckptfs.checkpoints import parse_step
+
+        return parse_step(top_level(key), self.step_regex) is None
+
+    async def _head(self, tier: str, info: ObjectInfo) -> ObjectMeta | None:
+        cache_key = (tier, info.key, info.size, getattr(info, "etag", None))
+        meta = self._meta_cache.get(cache_key)
+        if meta is None:
+            try:
+                meta = (await self.tiers[tier].head(info.key)).meta
+            except CkptfsError:
+                return None
+            if len(self._meta_cache) > 100_000:
+                self._meta_cache.clear()
+            self._meta_cache[cache_key] = meta
+        return meta
+
+    async def report(self, now: float | None = None) -> dict[str, Any]:
+        state = await self.collect(now)
+        actions = plan(state.checkpoints, self.policy, state.now)
+        out = report(state.checkpoints, self.policy, state.now, actions, state.tier_bytes)
+        out["last_run"] = self.last_run
+        return out
+
+    # -- applying ---------------------------------------------------------------------
+
+    async def run_once(self, now: float | None = None) -> RunResult:
+        """Plan and apply until nothing is left to do (copies first, removes the run after)."""
+        async with self._lock:
+            total = RunResult()
+            for _ in range(MAX_ROUNDS):
+                state = await self.collect(now)
+                actions = plan(state.checkpoints, self.policy, state.now)
+                runnable = [a for a in actions if a.blocked is None]
+                total.blocked = [a for a in actions if a.blocked is not None]
+                if not runnable:
+                    break
+                result = await self.apply(runnable, state)
+                total.done += result.done
+                total.failed += result.failed
+                if not result.done:
+                    break
+            self.last_run = {"at": self.clock(), **total.as_dict()}
+            return total
+
+    async def apply(self, actions: Sequence[Action], state: Snapshot) -> RunResult:
+        result = RunResult()
+        by_name = {c.name: c for c in state.checkpoints}
+        rank = {"copy": 0, "remove": 1, "evict": 2, "delete": 3}
+        for action in sorted(actions, key=lambda a: rank[a.kind]):
+            c = by_name[action.checkpoint]
+            try:
+                if action.kind == "copy":
+                    await self._copy(c, action, state)
+                elif action.kind == "remove":
+                    assert action.tier is not None
+                    await self._remove(c, action.tier, state)
+                elif action.kind == "evict":
+                    self._evict(c, state)
+                else:
+                    await self._delete(c)
+            except (CkptfsError, OSError) as exc:
+                log.warning("retention: %s of %s failed: %s", action.describe(), c.name, exc)
+                result.failed.append((action, str(exc)))
+                continue
+            log.info("retention: %s %s", action.describe(), c.name)
+            result.done.append(action)
+        return result
+
+    def _row(self, ino: int) -> Row:
+        assert self.fs is not None
+        return self.fs.ns.get(ino)
+
+    async def _copy(self, c: Checkpoint, action: Action, state: Snapshot) -> None:
+        assert action.tier is not None and action.source is not None
+        dst = self.tiers[action.tier]
+        there = {r.key: r for r in state.remote.get(action.tier, [])}
+        for key, size in c.files:
+            local = state.local.get(key)
+            checksum = local.checksum if local else None
+            have = there.get(key)
+            if have is not None and have.size == size and (
+                    checksum is None or have.checksum in (None, checksum)):
+                continue
+            if action.source == HOT:
+                assert local is not None and self.fs is not None
+                row = self._row(local.ino)
+                if row.state is State.REMOTE:
+                    raise RetentionError(f"{key} is not on NVMe any more")
+                meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid,
+                                  row.gid, row.checksum)
+                await dst.put_file(key, self.fs.staging.path(row.ino), size, meta)
+            else:
+                src = self.tiers[action.source]
+                if checksum is None:
+                    checksum = (await src.head(key)).meta.checksum
+                await copy_object(src, dst, key, size, self._scratch())
+            await verify(dst, key, size, checksum)
+
+    def _scratch(self) -> Path:
+        if self.scratch is not None:
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            return self.scratch
+        import tempfile
+
+        return Path(tempfile.gettempdir())
+
+    async def _remove(self, c: Checkpoint, tier: str, state: Snapshot) -> None:
+        keys = [r.key for r in state.remote.get(tier, []) if top_level(r.key) == c.name]
+        for key in keys:
+            await self.tiers[tier].delete(key)
+        members = [t for t in self.policy.tiers if t.location == self.policy.tier(tier).location]
+        if len(members) == 1:
+            await self._remove_dirs(self.tiers[tier], c.name)
+
+    async def _remove_dirs(self, tier: Tier, name: str) -> None:
+        dirs = [i.key for i in await tier.list(name)
+                if top_level(i.key) == name and i.key.endswith("/")]
+        for key in sorted(dirs, key=lambda k: k.count("/"), reverse=True):
+            await tier.delete(key)
+        if dirs:
+            await tier.delete(name + "/")
+
+    def _evict(self, c: Checkpoint, state: Snapshot) -> None:
+        assert self.fs is not None
+        for key, _ in c.files:
+            local = state.local.get(key)
+            if local is None:
+                continue
+            row = self._row(local.ino)
+            if row.state is State.COMMITTED and row.remote_key is not None \
+                    and self.fs.ns.open_count(row.ino) == 0:
+                self.fs.evict(row)
+
+    async def _delete(self, c: Checkpoint) -> None:
+        # The journal first: a crash after this leaves store copies that the next run sees as
+        # a checkpoint nobody keeps, and deletes.
+        if self.fs is not None:
+            await self._forget(c.name)
+        seen: set[str] = set()
+        for t in self.policy.tiers:
+            if t.name == HOT or t.location in seen:
+                continue
+            seen.add(t.location)
+            tier = self.tiers[t.name]
+            infos = [i for i in await tier.list(c.name) if top_level(i.key) == c.name]
+            for info in sorted(infos, key=lambda i: (i.key.endswith("/"), -i.key.count("/"))):
+                await tier.delete(info.key)
+            if any(i.key.endswith("/") for i in infos) or any("/" in i.key for i in infos):
+                await tier.delete(c.name + "/")
+
+    async def _forget(self, name: str) -> None:
+        """Remove ``name`` and everything under it from the namespace, as rm -r would."""
+        fs = self.fs
+        assert fs is not None
+        from ckptfs.errors import NotFound
+
+        try:
+            top = fs.ns.lookup(ROOT_INODE, os.fsencode(name))
+        except NotFound:
+            return
+
+        async def remove(parent: int, row: Row) -> None:
+            assert row.name is not None
+            if stat.S_ISDIR(row.mode):
+                for child in list(fs.ns.children(row.ino, 0)):
+                    await remove(row.ino, child)
+                await fs.rmdir(parent, row.name)
+            else:
+                await fs.unlink(parent, row.name)
+
+        await remove(ROOT_INODE, top)
+        if self.on_removed is not None:
+            self.on_removed(name)
+
+    # -- the task ---------------------------------------------------------------------
+
+    async def run(self, uploader: Any, interval: float,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply every ``interval`` seconds, and once the uploads after a commit are done."""
+        task_status.started()
+        seen = -1
+        while True:
+            with trio.move_on_after(interval):
+                while uploader.stats.uploaded_files == seen:
+                    await uploader.wait_progress()
+                await uploader.wait_idle()
+            seen = uploader.stats.uploaded_files
+            try:
+                result = await self.run_once()
+            except CkptfsError as exc:
+                log.warning("retention run skipped: %s", exc)
+                continue
+            for action, error in result.failed:
+                log.warning("retention: %s of %s: %s", action.describe(), action.checkpoint,
+                            error)
