@@ -51,7 +51,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # questions.*, write_path, upload
 
-from questions.common import Bench, log  # noqa: E402
+from questions.common import Bench, log
 
 QUESTIONS = {
     "q1": "questions.q1_training",
@@ -92,19 +92,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q3-mib", type=int, help="Q3 upload / restore total size [2048]")
     g.add_argument("--q3-files", type=int, help="Q3 files [8]")
     g.add_argument("--q4-mib", type=int, help="Q4 DCP checkpoint size [1024]")
+    g.add_argument("--q4-ranks", type=int_list, help="Q4 ranks that save, ranks that load [4,2]")
     g.add_argument("--q5-sizes", type=int_list,
                    help="Q5 checkpoint sizes, one file [256,1024,2048,4096,8192]")
     g.add_argument("--q5-files", type=int_list, help="Q5 files per checkpoint [1,4,16,32]")
     g.add_argument("--q5-files-mib", type=int, help="Q5 checkpoint size of the files sweep [1024]")
     g.add_argument("--q5-store", choices=("s3", "file"), help="Q5 warm tier [s3]")
     a = p.parse_args(argv)
-    full = dict(q1_mib=1024, ckpts=3, every=5, step_s=0.5, q2_sizes=[64, 256, 1024],
-                q2_torch_mib=1024, q2_reps=3, q3_mib=2048, q3_files=8, q4_mib=1024,
-                q5_sizes=[256, 1024, 2048, 4096, 8192], q5_files=[1, 4, 16, 32],
-                q5_files_mib=1024, q5_store="s3")
-    quick = dict(q1_mib=32, ckpts=2, every=2, step_s=0.05, q2_sizes=[8, 32], q2_torch_mib=16,
-                 q2_reps=1, q3_mib=32, q3_files=4, q4_mib=8, q5_sizes=[16, 64], q5_files=[1, 8],
-                 q5_files_mib=32, q5_store="s3")
+    full = {"q1_mib": 1024, "ckpts": 3, "every": 5, "step_s": 0.5, "q2_sizes": [64, 256, 1024],
+            "q2_torch_mib": 1024, "q2_reps": 3, "q3_mib": 2048, "q3_files": 8, "q4_mib": 1024,
+            "q4_ranks": [4, 2], "q5_sizes": [256, 1024, 2048, 4096, 8192],
+            "q5_files": [1, 4, 16, 32], "q5_files_mib": 1024, "q5_store": "s3"}
+    quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.05, "q2_sizes": [8, 32],
+             "q2_torch_mib": 16, "q2_reps": 1, "q3_mib": 32, "q3_files": 4, "q4_mib": 8,
+             "q4_ranks": [2, 1], "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16,
+             "q5_store": "s3"}
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
@@ -136,32 +138,31 @@ def machine() -> dict[str, Any]:
     from questions import common
 
     out["ckptfs_src"] = str(common.CKPTFS_SRC)
-    try:
-        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                    capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "ckptfs"], cwd=HERE.parent,
-                               capture_output=True, text=True).stdout.strip()
-        out["ckptfs_dirty"] = bool(dirty)  # others edit ckptfs/ in this working tree
-    except OSError:
-        pass
+    out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                                capture_output=True, text=True, check=False).stdout.strip()
+    if common.CKPTFS_SRC == HERE.parent:  # uncommitted changes to the package benchmarked?
+        out["ckptfs_dirty"] = bool(subprocess.run(
+            ["git", "status", "--porcelain", "ckptfs"], cwd=HERE.parent, capture_output=True,
+            text=True, check=False).stdout.strip())
     for mod in ("torch", "pyfuse3", "trio", "boto3", "moto"):
         try:
             out[mod] = importlib.import_module(mod).__version__
-        except Exception:  # noqa: BLE001 (a version is nice to have)
-            pass
+        except Exception as exc:  # noqa: BLE001 (a version is nice to have)
+            out[mod] = f"unavailable: {type(exc).__name__}"
     from questions.common import rclone_binary
 
     exe = rclone_binary()
     if exe:
-        out["rclone"] = subprocess.run([exe, "version"], capture_output=True,
-                                       text=True).stdout.split("\n", 1)[0]
+        out["rclone"] = subprocess.run([exe, "version"], capture_output=True, text=True,
+                                       check=False).stdout.split("\n", 1)[0]
     return out
 
 
 def print_table(results: dict[str, Any], info: dict[str, Any], quick: bool) -> str:
-    lines = [f"## ckptfs benchmarks ({'quick' if quick else 'full'}), {info['date']}, "
-             f"{info['nproc']} CPUs, {info['mem_gib']} GiB RAM, load avg at start "
-             f"{info['loadavg_start'][0]:.2f}", "",
+    head = (f"## ckptfs benchmarks ({'quick' if quick else 'full'}), {info['date']}, "
+            f"{info['nproc']} CPUs, {info['mem_gib']} GiB RAM, load avg at start "
+            f"{info['loadavg_start'][0]:.2f}")
+    lines = [head, "",
              "| question | measurement | value | target |", "|---|---|---:|---|"]
     for q, r in results.items():
         if "error" in r:

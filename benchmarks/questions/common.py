@@ -215,8 +215,9 @@ def moto_server() -> Iterator[Moto]:
 
 def ckptfs_config(staging: Path, *, store_dir: Path | None = None, moto: Moto | None = None,
                   bucket: str = "", prefix: str = "run", bandwidth: float | None = None,
-                  upload_concurrency: int = 4, extra: str = "") -> str:
-    """TOML for a mount whose warm tier is a directory or an S3 prefix on moto."""
+                  upload_concurrency: int = 4, extra: str = "", faults: str = "") -> str:
+    """TOML for a mount whose warm tier is a directory or an S3 prefix on moto; ``faults``:
+    more FaultConfig items (TOML inline-table syntax, e.g. ``down_file = "/x"``)."""
     lines = [f'staging_dir = "{staging}"', f"upload_concurrency = {upload_concurrency}"]
     if extra:
         lines.append(extra)
@@ -226,8 +227,11 @@ def ckptfs_config(staging: Path, *, store_dir: Path | None = None, moto: Moto | 
     else:
         assert moto is not None and bucket
         lines += [f'url = "s3://{bucket}/{prefix}"', f'endpoint_url = "{moto.endpoint}"']
-    if bandwidth:
-        lines.append(f"faults = {{ bandwidth = {int(bandwidth)} }}")
+    fault_items = [f"bandwidth = {int(bandwidth)}"] if bandwidth else []
+    if faults:
+        fault_items.append(faults)
+    if fault_items:
+        lines.append(f"faults = {{ {', '.join(fault_items)} }}")
     return "\n".join(lines) + "\n"
 
 

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from questions.common import (
-    MiB,
     Bench,
+    MiB,
     ckptfs_config,
     ckptfs_mount,
     log,

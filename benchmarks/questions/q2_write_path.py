@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from questions.common import (
-    MiB,
     Bench,
+    MiB,
     ckptfs_config,
     ckptfs_mount,
     log,

@@ -1,0 +1,160 @@
+"""Q3, upload and restore throughput vs raw boto3, against one S3 endpoint (moto on loopback).
+
+Upload (the method of benchmarks/upload.py, whose raw boto3 side this reuses): --q3-files files,
+--q3-mib MiB in all.
+  boto3   ``upload_file``, one thread per file, 4 files at once, 16 MiB parts x 4 per file
+          (ckptfs's defaults: upload_concurrency 4, part_size 16 MiB, part_concurrency 4)
+  ckptfs  the files are staged with the store down (faults.down_file), ``umount --no-wait``;
+          the clock runs from the remount to the end of ``ckptfs sync``
+
+Restore of the checkpoint just uploaded:
+  boto3   ``download_file`` of every key to a local dir, 4 files at once
+  ckptfs  a fresh mount (empty staging dir) over the populated prefix; 4 readers read the files
+          in 1 MiB read() calls; the clock runs from the mount to the last byte read.
+This measures whatever the read path does today (whole-file fault-in or range fetches): it
+gets faster as the read path improves, with no change here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from questions.common import (
+    Bench,
+    MiB,
+    ckptfs,
+    ckptfs_config,
+    ckptfs_mount,
+    log,
+    read_file,
+    sync_disk,
+)
+
+TITLE = "Q3 upload and restore throughput vs raw boto3 (S3 on moto)"
+PART, PART_CONC, FILE_CONC = 16 * MiB, 4, 4
+
+
+def ckptfs_upload(b: Bench, files: list[Path], bucket: str) -> tuple[float, int]:
+    """Seconds from remount to the end of sync, and the daemon's peak RSS."""
+    down = b.work / "q3-store-down"
+    cfg_down = ckptfs_config(b.work / "q3-up-staging", moto=b.moto, bucket=bucket,
+                             faults=f'down_file = "{down}"')
+    with ckptfs_mount(b.work, "q3-up", cfg_down) as m:
+        down.touch()  # after the mount: the mount checks the store
+        for p in files:
+            with open(p, "rb") as src, open(m.path / p.name, "wb") as dst:
+                shutil.copyfileobj(src, dst, MiB)
+        ckptfs("umount", m.path, "--no-wait")
+    down.unlink()
+    sync_disk()
+    cfg = ckptfs_config(b.work / "q3-up-staging", moto=b.moto, bucket=bucket)
+    t0 = time.perf_counter()
+    with ckptfs_mount(b.work, "q3-up", cfg) as m:
+        m.sync()
+        elapsed = time.perf_counter() - t0
+        rss = m.peak_rss()
+    return elapsed, rss
+
+
+def boto3_download(b: Bench, bucket: str, names: list[str]) -> float:
+    from boto3.s3.transfer import TransferConfig
+
+    s3 = b.moto.client()
+    dest = b.dir("q3-download")
+    config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART,
+                            max_concurrency=PART_CONC)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(FILE_CONC) as pool:
+        list(pool.map(lambda n: s3.download_file(bucket, f"run/{n}", str(dest / n),
+                                                 Config=config), names))
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(dest)
+    return elapsed
+
+
+def ckptfs_restore(b: Bench, bucket: str,
+                   names: list[str]) -> tuple[float | None, int, int, str]:
+    """Seconds from mount to the last byte read (None: could not read), bytes read, daemon
+    peak RSS, and why it could not read."""
+    cfg = ckptfs_config(b.work / "q3-restore-staging", moto=b.moto, bucket=bucket)
+    t0 = time.perf_counter()
+    with ckptfs_mount(b.work, "q3-restore", cfg) as m:
+        try:
+            with ThreadPoolExecutor(FILE_CONC) as pool:
+                total = sum(pool.map(lambda n: read_file(m.path / n), names))
+        except OSError as exc:  # a ckptfs whose fresh mount does not see the store yet
+            return None, 0, m.peak_rss(), f"{type(exc).__name__}: {exc.strerror}"
+        elapsed = time.perf_counter() - t0
+        rss = m.peak_rss()
+    return elapsed, total, rss, ""
+
+
+def run(b: Bench) -> dict[str, Any]:
+    from upload import make_files, raw_boto3
+
+    o = b.opts
+    total = o.q3_mib * MiB
+    files = make_files(b.work / "q3-src", o.q3_files, total // o.q3_files)
+    names = [p.name for p in files]
+    size = sum(p.stat().st_size for p in files)
+    bucket = b.moto.new_bucket("q3")
+    log(f"Q3: upload {size / MiB:.0f} MiB in {len(files)} files: raw boto3")
+    sync_disk()
+    raw_up = raw_boto3(files, b.moto.endpoint, bucket, PART, PART_CONC, FILE_CONC)
+    b.moto.empty_bucket(bucket)
+    log(f"Q3: raw boto3 {raw_up:.2f} s; ckptfs upload")
+    ck_up, up_rss = ckptfs_upload(b, files, bucket)
+    shutil.rmtree(b.work / "q3-src")
+    log(f"Q3: ckptfs upload {ck_up:.2f} s; boto3 download_file")
+    sync_disk()
+    raw_down = boto3_download(b, bucket, names)
+    log(f"Q3: boto3 download {raw_down:.2f} s; ckptfs restore through a fresh mount")
+    sync_disk()
+    ck_down, got, down_rss, why = ckptfs_restore(b, bucket, names)
+    log(f"Q3: ckptfs restore: {why or f'{ck_down:.2f} s ({got} bytes read)'}")
+    b.moto.empty_bucket(bucket)
+
+    def mbs(t: float) -> float:
+        return size / t / 1e6
+
+    summary = [
+        ("upload MB/s: boto3 / ckptfs", f"{mbs(raw_up):.0f} / {mbs(ck_up):.0f}", ""),
+        ("upload throughput ckptfs / boto3", f"**{raw_up / ck_up:.2f}**", "≥ 0.9"),
+    ]
+    if ck_down is None:
+        summary.append(("restore MB/s: boto3 download_file / ckptfs fresh mount",
+                        f"{mbs(raw_down):.0f} / not readable ({why})", ""))
+    else:
+        summary += [
+            ("restore MB/s: boto3 download_file / ckptfs fresh mount",
+             f"{mbs(raw_down):.0f} / {mbs(ck_down):.0f}", ""),
+            ("restore throughput ckptfs / boto3", f"**{raw_down / ck_down:.2f}**", "(info)"),
+        ]
+    summary.append(("daemon peak RSS MB: upload / restore",
+                    f"{up_rss / 1e6:.0f} / {down_rss / 1e6:.0f}", ""))
+    if ck_down is not None and got != size:
+        summary.append(("restore: bytes read != bytes stored", f"{got} != {size}", "!"))
+    return {"title": TITLE, "bytes": size, "files": len(files), "part_size": PART,
+            "part_concurrency": PART_CONC, "file_concurrency": FILE_CONC,
+            "upload_s": {"boto3": raw_up, "ckptfs": ck_up},
+            "restore_s": {"boto3": raw_down, "ckptfs": ck_down}, "restore_bytes_read": got,
+            "restore_error": why,
+            "daemon_peak_rss": {"upload": up_rss, "restore": down_rss}, "summary": summary}
+
+
+def plot(ax: Any, r: dict[str, Any]) -> None:
+    size = r["bytes"]
+    labels = ["upload\nboto3", "upload\nckptfs", "restore\nboto3", "restore\nckptfs"]
+    ck_restore = r["restore_s"]["ckptfs"]
+    vals = [size / r["upload_s"]["boto3"] / 1e6, size / r["upload_s"]["ckptfs"] / 1e6,
+            size / r["restore_s"]["boto3"] / 1e6, size / ck_restore / 1e6 if ck_restore else 0]
+    if not ck_restore:
+        labels[3] = "restore\nckptfs: n/a"
+    ax.bar(range(4), vals, color=["C0", "C1", "C0", "C1"])
+    ax.set_xticks(range(4), labels, fontsize=8)
+    ax.set_ylabel("MB/s")
+    ax.set_title(f"Q3 {size / MiB:.0f} MiB in {r['files']} files, S3 on moto", fontsize=9)
