@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what ckptfs needs on a fresh Debian/Ubuntu machine: fuse3 from apt, the package
-# with its test and demo extras from PyPI. Idempotent; needs root (or sudo) for apt.
+# with its test, demo and bench extras from PyPI. Idempotent; needs root (or sudo) for apt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +16,7 @@ fi
 
 PYTHON="${PYTHON:-python3}"
 # torch==2.13.0 is the CPU build; it is only a test/demo extra, never a runtime dependency.
-"$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test,demo]'
+# bench: matplotlib and rclone for benchmarks/run_all.py (its --quick mode is a test).
+"$PYTHON" -m pip install -q --disable-pip-version-check -e '.[test,demo,bench]'
 # mount(8) helper /sbin/mount.ckptfs and the systemd unit (tests mount through fstab too).
 $SUDO env PYTHON="$(command -v "$PYTHON")" bash mount/install.sh
