@@ -173,7 +173,7 @@ def parse_helper_args(argv: list[str]) -> HelperArgs:
         elif arg in ("-t", "-N"):
             if next(args, None) is None:
                 raise UserError(f"{arg} needs a value ({USAGE})", exit_code=EXIT_USAGE)
-        elif arg.startswith("-t") or arg.startswith("-N"):
+        elif arg.startswith(("-t", "-N")):
             continue  # -tckptfs: the type is ours, the namespace is mount(8)'s business
         elif arg.startswith("-") and len(arg) > 1:
             for flag in arg[1:]:

@@ -37,8 +37,8 @@ HELPER = Path("/sbin/mount.ckptfs")
 
 def test_options_map_to_config_keys_and_generic_ones_are_ignored() -> None:
     parsed = parse_options([
-        "defaults,rw,auto,noauto,_netdev,nofail,x-systemd.requires-mounts-for=/nvme,"
-        "x-systemd.after=network-online.target,comment=systemd.automount,nosuid,nodev,noatime",
+        ("defaults,rw,auto,noauto,_netdev,nofail,x-systemd.requires-mounts-for=/nvme,"
+        "x-systemd.after=network-online.target,comment=systemd.automount,nosuid,nodev,noatime"),
         "config=/etc/ckptfs/ckpt.toml,staging=/nvme/ckptfs,upload_concurrency=8,allow_other",
         'fsync=remote,step_regex="step(\\d+),x"',
     ])
@@ -107,7 +107,7 @@ def test_mount_command(tmp_path: Path) -> None:
 
 def _helper(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptfs.mounthelper", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
 
 
 @pytest.mark.parametrize(("options", "needle"), [
@@ -168,9 +168,9 @@ def fstab_mount(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         if is_mounted(mnt):
-            subprocess.run(["umount", str(mnt)], capture_output=True)
+            subprocess.run(["umount", str(mnt)], capture_output=True, check=False)
         if is_mounted(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
 
 
 @pytest.mark.mount
@@ -189,7 +189,7 @@ def test_fstab_line_mounts_with_mount_T_and_options_take_effect(
     ])
     fstab.write_text(f"# a test fstab\n{store}  {mnt}  ckptfs  {options}  0  0\n")
     done = subprocess.run(["mount", "-T", str(fstab), str(mnt)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert is_mounted(mnt)
     status = json.loads(ckptfs("status", "--json", mnt).stdout)
@@ -203,7 +203,8 @@ def test_fstab_line_mounts_with_mount_T_and_options_take_effect(
     ckptfs("sync", mnt)
     assert (store / "step_1" / "model.pt").read_bytes() == b"x" * 1000
     pid = status["pid"]
-    done = subprocess.run(["umount", str(mnt)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["umount", str(mnt)], capture_output=True, text=True, timeout=60,
+                          check=False)
     assert done.returncode == 0, done.stderr
     assert not is_mounted(mnt)
     deadline = time.monotonic() + 60
@@ -219,18 +220,18 @@ def test_fstab_line_with_a_bad_option_fails_with_one_line(
     fstab = tmp_path / "fstab"
     fstab.write_text(f"{tmp_path}  {fstab_mount}  ckptfs  _netdev,upload_concurency=3  0  0\n")
     done = subprocess.run(["mount", "-T", str(fstab), str(fstab_mount)], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, check=False)
     assert done.returncode != 0
     assert done.stderr.splitlines() == [
-        "mount.ckptfs: error: unknown mount option 'upload_concurency' "
-        "(see docs/CONFIGURATION.md)"], done.stderr
+        ("mount.ckptfs: error: unknown mount option 'upload_concurency' "
+        "(see docs/CONFIGURATION.md)")], done.stderr
     assert not is_mounted(fstab_mount)
 
 
 def test_install_script_installs_under_destdir(tmp_path: Path) -> None:
     env = {**os.environ, "DESTDIR": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(ROOT / "mount" / "install.sh")], env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     helper = tmp_path / "sbin" / "mount.ckptfs"
     assert os.access(helper, os.X_OK)
@@ -240,6 +241,6 @@ def test_install_script_installs_under_destdir(tmp_path: Path) -> None:
     # the installed helper works (-f: check everything, mount nothing)
     done = subprocess.run([str(helper), str(tmp_path), str(tmp_path), "-f", "-o",
                            "_netdev,upload_concurrency=2"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
     assert done.returncode == 0, done.stderr
     shutil.rmtree(tmp_path / "sbin")

@@ -1,0 +1,167 @@
+"""``ckptfs status`` of a live mount, and the safe defaults operators rely on.
+
+- status (human and ``--json``) shows the queue while uploads are slowed down by the tier's
+  ``faults`` table, and an empty queue once ``ckptfs sync`` returned;
+- credentials never appear in the daemon's log, in ``status``, or on its command line;
+- the staging directory is 0700 and the journal 0600, whatever they were before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.mounting import Mount, Mounter, ckptfs
+from tests.s3server import S3Server
+
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
+
+KiB = 1024
+
+
+def status(m: Mount) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(ckptfs("status", "--json", m.path).stdout)
+    return result
+
+
+def file_tier_config(path: Path, store: Path, **faults: object) -> Path:
+    lines = ["upload_concurrency = 1", "", "[[tier]]", 'name = "hot"', "", "[[tier]]",
+             'name = "warm"', f'url = "{store.as_uri()}"']
+    if faults:
+        lines += ["", "[tier.faults]"] + [f"{k} = {json.dumps(v)}" for k, v in faults.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_status_shows_the_queue_of_a_slow_upload_then_empty_after_sync(
+        tmp_path: Path, mounter: Mounter) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    # 64 KiB/s: three 256 KiB files take at least 12 s to upload, one at a time.
+    config = file_tier_config(tmp_path / "ckptfs.toml", store, bandwidth=64 * KiB)
+    m = mounter(config=config)
+    sizes = {f"step_1/shard_{i}.pt": 256 * KiB for i in range(3)}
+    (m.path / "step_1").mkdir()
+    for name, size in sizes.items():
+        (m.path / name).write_bytes(os.urandom(size))
+    total = sum(sizes.values())
+
+    during = status(m)
+    queue = during["queue"]
+    assert queue["files"] >= 1 and 0 < queue["bytes"] <= total, during
+    assert queue["work_items"] >= queue["files"]
+    assert set(queue["uploading"]) <= set(sizes)
+    assert during["warm_tier"] == store.as_uri()
+    assert [t["name"] for t in during["tiers"]] == ["hot", "warm"]
+    assert during["staging"]["used_bytes"] == total
+    assert during["staging"]["free_bytes"] > 0
+    assert during["failed"] == [] and during["incomplete"] == []
+    for key in ("upload_rate_bytes_per_s", "eta_s", "fetch", "write_stall_s", "uptime_s"):
+        assert key in during
+    human = ckptfs("status", m.path).stdout
+    assert "queue" in human and "upload rate" in human and str(m.path) in human
+
+    ckptfs("sync", m.path)
+    after = status(m)
+    assert after["queue"] == {"files": 0, "bytes": 0, "uploading": [], "work_items": 0}
+    assert after["uploaded"]["files"] == len(sizes)
+    assert after["uploaded"]["bytes"] == total
+    for name, size in sizes.items():
+        assert (store / name).stat().st_size == size
+    # every mount is reported when none is named
+    everything = json.loads(ckptfs("status", "--json").stdout)
+    assert any(r.get("mountpoint") == str(m.path) for r in everything)
+
+
+def test_status_lists_failing_uploads_while_the_store_is_down(
+        tmp_path: Path, mounter: Mounter) -> None:
+    store, down = tmp_path / "store", tmp_path / "down"
+    store.mkdir()
+    m = mounter(config=file_tier_config(tmp_path / "c.toml", store, down_file=str(down)))
+    down.touch()  # after the mount: a store that is down at mount time fails the mount
+    (m.path / "a.pt").write_bytes(b"a" * 1000)
+    # Poll (with a deadline) for the first failed attempt to be reported.
+    deadline = time.monotonic() + 60
+    report = status(m)
+    while not report["failed"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        report = status(m)
+    assert report["failed"], report
+    assert "injected outage" in report["failed"][0]["error"]
+    assert report["queue"]["files"] == 1
+    down.unlink()
+    ckptfs("sync", m.path)
+    assert status(m)["failed"] == []
+    assert (store / "a.pt").read_bytes() == b"a" * 1000
+
+
+ACCESS_KEY = "AKIAOPSTESTKEY123456"
+SECRET_KEY = "opsTestSecret/Very+Private/9876543210"
+
+
+def test_credentials_never_in_logs_status_or_command_line(
+        tmp_path: Path, mounter: Mounter, s3_server: S3Server) -> None:
+    bucket = s3_server.new_bucket()
+    config = tmp_path / "ckptfs.toml"
+    config.write_text("\n".join([
+        'log_level = "debug"',
+        "[[tier]]", 'name = "hot"',
+        "[[tier]]", 'name = "warm"', f'url = "s3://{bucket}/run1"',
+        f'endpoint_url = "{s3_server.endpoint}"',
+        f'access_key_id = "{ACCESS_KEY}"', f'secret_access_key = "{SECRET_KEY}"',
+    ]) + "\n")
+    os.chmod(config, 0o600)
+    m = mounter(config=config)
+    (m.path / "step_1").mkdir()
+    (m.path / "step_1" / "model.pt").write_bytes(os.urandom(100 * KiB))
+    ckptfs("sync", m.path)
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
+    assert "run1/step_1/model.pt" in keys  # the credentials were used
+    report = ckptfs("status", "--json", m.path).stdout + ckptfs("status", m.path).stdout
+    cmdline = Path(f"/proc/{m.pid}/cmdline").read_bytes().decode(errors="replace")
+    m.umount()
+    log = (m.staging / "daemon.log").read_text()
+    assert "DEBUG" in log and "uploaded" in log  # the log was written, at debug level
+    for secret in (ACCESS_KEY, SECRET_KEY):
+        assert secret not in log
+        assert secret not in report
+        assert secret not in cmdline
+
+
+def test_log_lines_are_redacted_and_one_line() -> None:
+    import logging
+
+    from ckptfs.cli import _OneLineRedacting
+
+    formatter = _OneLineRedacting("%(levelname)s %(message)s", [SECRET_KEY, "abc"])
+    try:
+        raise ValueError(f"bad key {SECRET_KEY}")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed with %s",
+                                   (SECRET_KEY,), sys.exc_info())
+    line = formatter.format(record)
+    assert SECRET_KEY not in line and "***" in line
+    assert "\n" not in line and "ValueError" in line
+
+
+def test_staging_directory_0700_and_journal_0600(tmp_path: Path, mounter: Mounter) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o755)
+    os.chmod(staging, 0o755)  # an operator made it too open
+    m = mounter(staging=staging)
+    (m.path / "f").write_bytes(b"x")
+    ckptfs("sync", m.path)
+    assert stat.S_IMODE(staging.stat().st_mode) == 0o700
+    assert stat.S_IMODE((staging / "data").stat().st_mode) == 0o700
+    journal_files = list(staging.glob("journal.db*"))
+    assert journal_files
+    for path in journal_files + [staging / "control.sock", staging / "daemon.log"]:
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
