@@ -367,6 +367,37 @@ def status(
         console.print(table)
 
 
+@app.command("ls-tiers")
+def ls_tiers(
+    mountpoint: Annotated[Path | None, typer.Argument(
+        help="A ckptfs mount (default: the configured staging directory's daemon, or none).",
+        show_default=False)] = None,
+    config_file: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Each checkpoint's state in every tier, the rule keeping it, the next action; costs."""
+    from ckptfs import retention_cli
+
+    retention_cli.run_ls_tiers(mountpoint, config_path(config_file), as_json)
+
+
+@app.command()
+def retention(
+    mountpoint: Annotated[Path | None, typer.Argument(
+        help="A ckptfs mount (default: the configured staging directory's daemon, or none).",
+        show_default=False)] = None,
+    config_file: ConfigOpt = None,
+    plan_only: Annotated[bool, typer.Option(
+        "--plan/--apply", help="--plan: print what would happen (default); --apply: do it.")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Apply the tiers' keep rules: copy, verify, remove, evict, delete (docs/RETENTION.md)."""
+    from ckptfs import retention_cli
+
+    retention_cli.run_retention(mountpoint, config_path(config_file), not plan_only, as_json)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

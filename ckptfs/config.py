@@ -187,6 +187,9 @@ class Config(_Strict):
     readahead_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=16 * 1024**3)
     total_steps: int | None = Field(default=None, ge=1)
     step_regex: str = r"(\d+)(?!.*\d)"
+    # Retention runs this often, and after the uploads that follow a commit; 0: only
+    # `ckptfs retention --apply`.
+    retention_interval: Duration = timedelta(minutes=10)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fuse_workers: int = Field(default=64, ge=1, le=1024)
     # Prometheus endpoint (metrics.py): off unless a port is given.
@@ -231,9 +234,19 @@ class Config(_Strict):
                 raise ValueError(f"tier {extra.name!r} needs a url")
         if len(self.tier) < 2:
             raise ValueError("at least one tier besides 'hot' (the warm tier) is needed")
-        for t in self.tier:
+        for index, t in enumerate(self.tier):
             if t.keep.milestones and self.total_steps is None:
-                raise ValueError(f"tier {t.name!r}: milestones need total_steps")
+                raise ValueError(f"tier.{index}.keep.milestones: needs total_steps (the "
+                                 f"milestones of tier {t.name!r} are fractions of it)")
+        # Retention copies between tiers: two tiers naming the same objects would delete
+        # each other's copies.
+        seen: dict[tuple[str, str | None], str] = {}
+        for index, t in enumerate(self.tier[1:], start=1):
+            assert t.url is not None
+            where = (t.url.rstrip("/"), t.endpoint_url)
+            if where in seen:
+                raise ValueError(f"tier.{index}.url: the same store as tier {seen[where]!r}")
+            seen[where] = t.name
         return self
 
     @property

@@ -26,8 +26,10 @@ from urllib.parse import urlsplit
 import trio
 
 from ckptfs.config import Config
+from ckptfs.errors import CkptfsError
 from ckptfs.fs import Filesystem
 from ckptfs.journal import State
+from ckptfs.retention import Retention
 from ckptfs.upload import Uploader
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ RATE_WINDOW = 60.0  # seconds over which upload and fetch rates are averaged
 
 
 class ControlServer:
+    retention: Retention | None = None  # set by mount.py: serves ls-tiers and retention
     def __init__(self, fs: Filesystem, uploader: Uploader, mountpoint: Path, tier_url: str,
                  config: Config | None = None) -> None:
         self.fs = fs
@@ -83,6 +86,8 @@ class ControlServer:
                     await _send(stream, self.status())
                 elif op == "sync":
                     await self._sync(stream, request.get("path"))
+                elif op in ("ls-tiers", "retention") and self.retention is not None:
+                    await _send(stream, await self._retention(bool(request.get("apply"))))
                 else:
                     await _send(stream, {"error": f"unknown request {op!r}"})
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -124,6 +129,15 @@ class ControlServer:
                 entry["endpoint_url"] = _without_userinfo(t.endpoint_url)
             out.append(entry)
         return out
+
+    async def _retention(self, apply: bool) -> dict[str, Any]:
+        """``ls-tiers`` and ``retention --plan`` (the report) or ``--apply`` (run, then it)."""
+        assert self.retention is not None
+        try:
+            done = (await self.retention.run_once()).as_dict() if apply else {}
+            return {**done, **await self.retention.report()}
+        except CkptfsError as exc:
+            return {"error": f"retention: {exc}"}
 
     def _pending_rows(self, prefix: str | None) -> list[tuple[str, int, str]]:
         rows = []

@@ -29,6 +29,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import Journal
 from ckptfs.mountinfo import check_mountpoint
+from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier, TierError
@@ -91,6 +92,7 @@ async def serve(
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     _owner_only(staging.root, JOURNAL_NAME)
+    retention: Retention | None = None
     try:
         fs = Filesystem(
             journal, staging, unlink_remote=config.unlink == "posix",
@@ -105,6 +107,11 @@ async def serve(
         fs.listener = uploader
         uploader.requeue_from_journal()
         control = ControlServer(fs, uploader, mountpoint, config.warm.url or "", config)
+        retention = await Retention.open(
+            config, warm=tier, fs=fs, upload_progress=lambda: upload_progress(uploader),
+            on_removed=lambda name: pyfuse3.invalidate_entry_async(
+                pyfuse3.ROOT_INODE, os.fsencode(name), ignore_enoent=True))
+        control.retention = retention
         metrics = None
         if config.metrics_port is not None:
             from ckptfs.metrics import MetricsServer
@@ -120,6 +127,8 @@ async def serve(
         async with trio.open_nursery() as nursery:
             await nursery.start(uploader.run)
             await nursery.start(control.serve)
+            nursery.start_soon(retention.run, uploader,
+                               config.retention_interval.total_seconds())
             if metrics is not None:
                 nursery.start_soon(metrics.serve)
             pyfuse3.init(FuseOps(fs), str(mountpoint), fuse_options(config))
@@ -141,6 +150,8 @@ async def serve(
         journal.close()
         staging.close()
         with trio.CancelScope(shield=True):
+            if retention is not None:
+                await retention.aclose()
             await tier.aclose()
 
 

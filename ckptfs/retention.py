@@ -434,6 +434,7 @@ class Retention:
         self._lock = trio.Lock()
         self._meta_cache: dict[tuple[str, str, int, str | None], ObjectMeta] = {}
         self.last_run: dict[str, Any] | None = None
+        self._owned: list[Tier] = []  # tiers ``open`` opened (closed by ``aclose``)
 
     # -- state ------------------------------------------------------------------------
 
@@ -648,12 +649,36 @@ class Retention:
         if self.on_removed is not None:
             self.on_removed(name)
 
+    # -- set-up -----------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, config: Config, *, warm: Tier | None = None,
+                   fs: Filesystem | None = None, upload_progress: Callable[[], Mapping[str, float]]
+                   | None = None, on_removed: Callable[[str], None] | None = None) -> Retention:
+        """Retention over ``config``'s tiers, each opened and checked (``warm``: already open).
+
+        A tier that cannot be used is a ``UserError`` naming its key (``tier.2.url``)."""
+        tiers = await open_tiers(config, warm)
+        retention = cls(Policy.from_config(config), tiers, step_regex=config.step_regex,
+                        fs=fs, scratch=config.staging_dir / "retention-tmp",
+                        upload_progress=upload_progress, on_removed=on_removed)
+        retention._owned = [t for t in tiers.values() if t is not warm]
+        return retention
+
+    async def aclose(self) -> None:
+        """Close the tiers ``open`` opened."""
+        with trio.CancelScope(shield=True):
+            for tier in self._owned:
+                await tier.aclose()
+
     # -- the task ---------------------------------------------------------------------
 
     async def run(self, uploader: Any, interval: float,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply every ``interval`` seconds, and once the uploads after a commit are done."""
         task_status.started()
+        if interval <= 0:
+            return  # retention_interval = 0: only `ckptfs retention --apply`
         seen = -1
         while True:
             with trio.move_on_after(interval):
@@ -669,3 +694,39 @@ class Retention:
             for action, error in result.failed:
                 log.warning("retention: %s of %s: %s", action.describe(), action.checkpoint,
                             error)
+
+
+async def open_tiers(config: Config, warm: Tier | None = None) -> dict[str, Tier]:
+    """Every tier but ``hot``, opened and checked; ``UserError`` naming the key of the first
+    that cannot be used (the ones opened so far are closed)."""
+    from ckptfs.errors import StoreUnavailable, UserError
+    from ckptfs.tiers import open_tier
+    from ckptfs.tiers.base import TierError
+
+    tiers: dict[str, Tier] = {}
+    try:
+        for index, tc in enumerate(config.tier):
+            if tc.url is None:
+                continue
+            if index == 1 and warm is not None:
+                tiers[tc.name] = warm
+                continue
+            tier = open_tier(tc)
+            tiers[tc.name] = tier
+            try:
+                await tier.check()
+            except (TierError, StoreUnavailable) as exc:
+                raise UserError(f"tier.{index}.url ({tc.name}): {exc}") from None
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for tier in tiers.values():
+                if tier is not warm:
+                    await tier.aclose()
+        raise
+    return tiers
+
+
+def upload_progress(uploader: Any) -> dict[str, float]:
+    """Bytes already sent of each upload in flight, by key (for ls-tiers)."""
+    return {w.target: float(w.done_bytes) for w in uploader.outstanding()
+            if w.target is not None}
