@@ -38,7 +38,14 @@ def gather(mountpoint: Path | None, config_file: Path | None, apply: bool) -> di
             pass  # a socket left by a daemon that died: nobody is serving this staging
     import trio
 
-    result: dict[str, Any] = trio.run(_offline, config, apply)
+    from ckptfs.errors import CkptfsError
+
+    try:
+        result: dict[str, Any] = trio.run(_offline, config, apply)
+    except UserError:
+        raise
+    except CkptfsError as exc:  # e.g. a journal this version cannot read
+        raise UserError(str(exc), exit_code=1) from None
     return result
 
 
