@@ -52,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # questions.*, write_path, upload
 
 from questions.common import Bench, log
+from write_path import machine_busy_s
 
 QUESTIONS = {
     "q1": "questions.q1_training",
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q1-mib", type=int, help="Q1 state dict size [1024]")
     g.add_argument("--ckpts", type=int, help="Q1 checkpoints per loop [3]")
     g.add_argument("--every", type=int, help="Q1 steps between checkpoints [5]")
-    g.add_argument("--step-s", type=float, help="Q1 seconds of compute per step [0.5]")
+    g.add_argument("--step-s", type=float, help="Q1 seconds per training step [2.5]")
     g.add_argument("--q2-sizes", type=int_list, help="Q2 file sizes [64,256,1024]")
     g.add_argument("--q2-torch-mib", type=int, help="Q2 torch.save size [1024]")
     g.add_argument("--q2-reps", type=int, help="Q2 repetitions, interleaved [3]")
@@ -99,11 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q5-files-mib", type=int, help="Q5 checkpoint size of the files sweep [1024]")
     g.add_argument("--q5-store", choices=("s3", "file"), help="Q5 warm tier [s3]")
     a = p.parse_args(argv)
-    full = {"q1_mib": 1024, "ckpts": 3, "every": 5, "step_s": 0.5, "q2_sizes": [64, 256, 1024],
+    full = {"q1_mib": 1024, "ckpts": 3, "every": 5, "step_s": 2.5, "q2_sizes": [64, 256, 1024],
             "q2_torch_mib": 1024, "q2_reps": 3, "q3_mib": 2048, "q3_files": 8, "q4_mib": 1024,
             "q4_ranks": [4, 2], "q5_sizes": [256, 1024, 2048, 4096, 8192],
             "q5_files": [1, 4, 16, 32], "q5_files_mib": 1024, "q5_store": "s3"}
-    quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.05, "q2_sizes": [8, 32],
+    quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.2, "q2_sizes": [8, 32],
              "q2_torch_mib": 16, "q2_reps": 1, "q3_mib": 32, "q3_files": 4, "q4_mib": 8,
              "q4_ranks": [2, 1], "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16,
              "q5_store": "s3"}
@@ -171,6 +172,9 @@ def print_table(results: dict[str, Any], info: dict[str, Any], quick: bool) -> s
             continue
         for measure, value, target in r["summary"]:
             lines.append(f"| {q} | {measure} | {value} | {target} |")
+        lines.append(f"| {q} | (noise) machine CPUs busy, load avg at start / end | "
+                     f"{r['machine_cpus_busy']:.2f} of {info['nproc']}, "
+                     f"{r['loadavg_1m'][0]:.1f} / {r['loadavg_1m'][1]:.1f} | |")
     text = "\n".join(lines)
     print("\n" + text + "\n", flush=True)
     return text
@@ -233,14 +237,18 @@ def main(argv: list[str] | None = None) -> int:
         with bench.stack:
             for q in args.only:
                 modules[q] = importlib.import_module(QUESTIONS[q])
-                t0 = time.perf_counter()
+                t0, busy0, load0 = time.perf_counter(), machine_busy_s(), os.getloadavg()[0]
                 try:
                     results[q] = modules[q].run(bench)
                 except Exception:  # noqa: BLE001 (one broken question must not hide the rest)
                     traceback.print_exc()
                     results[q] = {"error": traceback.format_exc()}
-                results[q]["wall_s"] = time.perf_counter() - t0
-                log(f"{q} done in {results[q]['wall_s']:.1f} s")
+                wall = time.perf_counter() - t0
+                # Noise gauge: CPUs busy on the whole machine (ours included) while it ran.
+                busy = (machine_busy_s() - busy0) / wall
+                results[q].update(wall_s=wall, machine_cpus_busy=round(busy, 2),
+                                  loadavg_1m=(round(load0, 2), round(os.getloadavg()[0], 2)))
+                log(f"{q} done in {wall:.1f} s (machine: {busy:.2f} CPUs busy on average)")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
