@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where run_all[.quick].json/.png go")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp"),
                    help="temp files, staging dirs and stores go in a fresh dir under here")
+    p.add_argument("--stem", help="name of the result files [run_all, or run_all.quick]")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
     p.add_argument("--ckptfs-src", type=Path, default=HERE.parent,
                    help="directory holding the ckptfs package to benchmark (default: this "
@@ -98,12 +99,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Q5 checkpoint sizes, one file [256,1024,2048,4096,8192]")
     g.add_argument("--q5-files", type=int_list, help="Q5 files per checkpoint [1,4,16,32]")
     g.add_argument("--q5-files-mib", type=int, help="Q5 checkpoint size of the files sweep [1024]")
-    g.add_argument("--q5-store", choices=("s3", "file"), help="Q5 warm tier [s3]")
+    g.add_argument("--q5-store", choices=("file", "s3"),
+                   help="Q5 warm tier: a directory, or S3 on moto (files > 1 GiB skipped) [file]")
     a = p.parse_args(argv)
     full = {"q1_mib": 1024, "ckpts": 3, "every": 5, "step_s": 2.5, "q2_sizes": [64, 256, 1024],
             "q2_torch_mib": 1024, "q2_reps": 3, "q3_mib": 2048, "q3_files": 8, "q4_mib": 1024,
             "q4_ranks": [4, 2], "q5_sizes": [256, 1024, 2048, 4096, 8192],
-            "q5_files": [1, 4, 16, 32], "q5_files_mib": 1024, "q5_store": "s3"}
+            "q5_files": [1, 4, 16, 32], "q5_files_mib": 1024, "q5_store": "file"}
     quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.2, "q2_sizes": [8, 32],
              "q2_torch_mib": 16, "q2_reps": 1, "q3_mib": 32, "q3_files": 4, "q4_mib": 8,
              "q4_ranks": [2, 1], "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16,
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ckptfs-run-all-", dir=args.workdir))
-    stem = "run_all.quick" if args.quick else "run_all"
+    stem = args.stem or ("run_all.quick" if args.quick else "run_all")
     info = machine()
     log(f"work dir {work}; questions {', '.join(args.only)}")
 
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{info['nproc']} CPUs, shared machine")
     log(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')} "
         f"in {info['wall_s']:.0f} s")
-    return 1 if any("error" in r for r in results.values()) else 0
+    return 1 if any("error" in r or r.get("errors") for r in results.values()) else 0
 
 
 if __name__ == "__main__":

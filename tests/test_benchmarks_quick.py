@@ -37,6 +37,7 @@ def test_run_all_quick(tmp_path: Path) -> None:
     assert set(data["results"]) == set(QUESTIONS)
     for q, result in data["results"].items():
         assert "error" not in result, f"{q}: {result.get('error')}"
+        assert not result.get("errors"), f"{q}: {result.get('errors')}"
         assert result["summary"], q
         for measure, _value, _target in result["summary"]:
             assert f"| {q} | {measure} |" in done.stdout
