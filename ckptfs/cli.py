@@ -306,6 +306,62 @@ def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: 
         return client.sync(mountpoint, rel, timeout, show)
 
 
+@app.command()
+def evict(
+    path: Annotated[Path, typer.Argument(help="A file or directory on a ckptfs mount.")],
+) -> None:
+    """Drop the NVMe copies of committed files under PATH (they stay readable from the store)."""
+    entry, rel = client.locate(path)
+    reply = client.evict(entry.mountpoint, rel)
+    print(f"evicted {reply['evicted_files']} files, freed {_human(reply['freed_bytes'])}")
+    if reply.get("kept_count"):
+        print(f"kept {reply['kept_count']} files that are open or not committed yet:")
+        for line in reply.get("kept", []):
+            print(f"  {line}")
+
+
+@app.command()
+def restore(
+    path: Annotated[Path, typer.Argument(help="A file or directory on a ckptfs mount.")],
+    days: Annotated[int, typer.Option(min=1, help="How long the store keeps the temporary "
+                                      "restored copy (it is also copied to the warm tier).")] = 1,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Also fetch the restored files to the local NVMe.")] = False,
+    poll_interval: Annotated[float, typer.Option(
+        min=0.01, help="Seconds between checks of the store.")] = 30.0,
+    timeout: Annotated[float | None, typer.Option(
+        help="Give up waiting after this many seconds (exit code 1); the restore goes on.",
+        show_default=False)] = None,
+) -> None:
+    """Restore files held only in an archive storage class (GLACIER, DEEP_ARCHIVE): request the
+    restore, wait with progress, then keep them in the warm tier."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    entry, rel = client.locate(path)
+    columns = (TextColumn("[bold]restoring"), BarColumn(), DownloadColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[note]}"))
+    with Progress(*columns, transient=True, console=_err_console()) as bar:
+        task = bar.add_task("restore", total=None, note="")
+
+        def show(reply: dict[str, Any]) -> None:
+            waiting = reply.get("waiting") or []
+            bar.update(task, total=reply["total_bytes"] or None,
+                       completed=reply["restored_bytes"],
+                       note=f"{reply['restored_files']}/{reply['files']} files"
+                       + (f"; waiting for {waiting[0]}" if waiting else ""))
+
+        result = client.restore(entry.mountpoint, rel, days=days, local=local,
+                                poll_interval=poll_interval, timeout=timeout, on_progress=show)
+    if result is None:
+        raise UserError(f"{path}: not restored within {timeout:.0f}s; the store goes on with "
+                        "it (run the command again to wait)", exit_code=1)
+    if not result.get("files"):
+        print(f"{path}: nothing to restore (no file there is only in an archive class)")
+    else:
+        print(f"restored {result['restored_files']} files "
+              f"({_human(result['restored_bytes'])}) to the warm tier")
+
+
 def _err_console() -> Any:
     from rich.console import Console
 

@@ -96,3 +96,38 @@ def sync(
     except TimeoutError:
         return False
     raise UserError(f"the ckptfs daemon of {mountpoint} stopped answering")
+
+
+def evict(mountpoint: str | Path, rel: str) -> dict[str, Any]:
+    """Drop local copies of committed files under ``rel``; what the daemon did."""
+    for reply in control.request(control_socket(mountpoint), {"op": "evict", "path": rel}):
+        if "error" in reply:
+            raise UserError(str(reply["error"]))
+        return reply
+    raise UserError(f"the ckptfs daemon of {mountpoint} gave no answer")
+
+
+def restore(
+    mountpoint: str | Path, rel: str, *, days: int, local: bool, poll_interval: float,
+    timeout: float | None, on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any] | None:
+    """Restore archived files under ``rel``; the last progress, or None on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    payload = {"op": "restore", "path": rel, "days": days, "local": local,
+               "poll_interval": poll_interval}
+    last: dict[str, Any] = {}
+    try:
+        for reply in control.request(control_socket(mountpoint), payload,
+                                     timeout=None if timeout is None else timeout + 5):
+            if "error" in reply:
+                raise UserError(str(reply["error"]))
+            if reply.get("done"):
+                return last
+            last = reply
+            if on_progress:
+                on_progress(reply)
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+    except TimeoutError:
+        return None
+    raise UserError(f"the ckptfs daemon of {mountpoint} stopped answering")

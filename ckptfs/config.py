@@ -76,6 +76,9 @@ class _Strict(BaseModel):
 class KeepRules(_Strict):
     """Which checkpoints a tier keeps (the union of the rules)."""
 
+    # Every checkpoint. A tier without a ``keep`` table gets this: retention never deletes
+    # what no rule was written for (``keep = {}`` keeps nothing, on purpose).
+    all: bool = False
     last: int | None = Field(default=None, ge=0)
     hourly: Duration | None = None
     daily: Duration | None = None
@@ -109,7 +112,7 @@ class TierConfig(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     url: str | None = None
-    keep: KeepRules = KeepRules()
+    keep: KeepRules = KeepRules(all=True)
     cost_per_tb_month: float = Field(default=0.0, ge=0)
     # S3 connection settings; credentials default to boto3's standard chain.
     endpoint_url: str | None = None

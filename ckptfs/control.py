@@ -86,8 +86,15 @@ class ControlServer:
                     await _send(stream, self.status())
                 elif op == "sync":
                     await self._sync(stream, request.get("path"))
+                elif op == "evict":
+                    await _send(stream, await self._evict(str(request.get("path") or "")))
                 elif op in ("ls-tiers", "retention") and self.retention is not None:
                     await _send(stream, await self._retention(bool(request.get("apply"))))
+                elif op == "restore":
+                    await self._restore(stream, str(request.get("path") or ""),
+                                        int(request.get("days") or 1),
+                                        bool(request.get("local")),
+                                        float(request.get("poll_interval") or 5.0))
                 else:
                     await _send(stream, {"error": f"unknown request {op!r}"})
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -95,21 +102,59 @@ class ControlServer:
             except ValueError as exc:
                 await _send(stream, {"error": f"bad request: {exc}"})
 
+    async def _retention(self, apply: bool) -> dict[str, Any]:
+        """``ls-tiers`` and ``retention --plan`` (the report) or ``--apply`` (run, then it)."""
+        assert self.retention is not None
+        try:
+            done = (await self.retention.run_once()).as_dict() if apply else {}
+            return {**done, **await self.retention.report()}
+        except CkptfsError as exc:
+            return {"error": f"retention: {exc}"}
+
+    async def _evict(self, path: str) -> dict[str, Any]:
+        try:
+            row = await self.fs.resolve(path)
+            evicted, freed, kept = self.fs.evict_tree(row.ino)
+        except CkptfsError as exc:
+            return {"error": f"{path or '/'}: {exc}"}
+        return {"evicted_files": evicted, "freed_bytes": freed, "kept": kept[:20],
+                "kept_count": len(kept)}
+
+    async def _restore(self, stream: trio.SocketStream, path: str, days: int, local: bool,
+                       poll_interval: float) -> None:
+        from ckptfs.restore import restore
+
+        async def report(progress: dict[str, Any]) -> None:
+            await _send(stream, progress)
+
+        try:
+            row = await self.fs.resolve(path)
+            await restore(self.fs, row, days=days, local=local, report=report,
+                          poll_interval=poll_interval)
+        except CkptfsError as exc:
+            await _send(stream, {"error": f"{path or '/'}: {exc}"})
+            return
+        await _send(stream, {"done": True})
+
     async def _sample_rates(self) -> None:
         while True:
             self._fetch_samples.append((time.monotonic(), self.fetched_bytes()))
             await trio.sleep(1)
 
-    def _fetch_stats(self) -> Any:
-        fetcher = self.fs.fetcher
-        return getattr(fetcher, "stats", fetcher)  # the counters, wherever the fetcher keeps them
-
     def fetched_bytes(self) -> int:
-        return int(getattr(self._fetch_stats(), "fetched_bytes", 0))
+        return self.fs.fetcher.stats.fetched_bytes if self.fs.fetcher else 0
 
     def fetch_failures(self) -> int:
-        stats = self._fetch_stats()
-        return int(getattr(stats, "integrity_failures", getattr(stats, "failures", 0)))
+        """Blocks whose bytes did not match their checksum (each bad read counts)."""
+        return self.fs.fetcher.stats.integrity_failures if self.fs.fetcher else 0
+
+    def read_errors(self) -> list[str]:
+        """Recent read-path errors (corrupt or deleted objects) and refused store names."""
+        out = [message for _, message in self.fs.fetcher.stats.errors] if self.fs.fetcher \
+            else []
+        if self.fs.lister is not None:
+            out += [f"refused store entry {key!r}: {why}" for key, why in self.fs.lister.refused]
+        return out[-20:]
 
     def fetch_rate(self) -> float:
         if len(self._fetch_samples) < 2:
@@ -129,15 +174,6 @@ class ControlServer:
                 entry["endpoint_url"] = _without_userinfo(t.endpoint_url)
             out.append(entry)
         return out
-
-    async def _retention(self, apply: bool) -> dict[str, Any]:
-        """``ls-tiers`` and ``retention --plan`` (the report) or ``--apply`` (run, then it)."""
-        assert self.retention is not None
-        try:
-            done = (await self.retention.run_once()).as_dict() if apply else {}
-            return {**done, **await self.retention.report()}
-        except CkptfsError as exc:
-            return {"error": f"retention: {exc}"}
 
     def _pending_rows(self, prefix: str | None) -> list[tuple[str, int, str]]:
         rows = []
@@ -183,6 +219,7 @@ class ControlServer:
             "failures": stats.failures,
             "fetch": {"bytes": self.fetched_bytes(),
                       "failures": self.fetch_failures(),
+                      "errors": self.read_errors(),
                       "rate_bytes_per_s": round(self.fetch_rate(), 1)},
             "write_stall_s": round(self.fs.stall_seconds, 3),
             "tiers": self.tiers(),

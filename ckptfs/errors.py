@@ -90,6 +90,14 @@ class ChecksumMismatch(CkptfsError):
     """Bytes read back from a tier do not match the checksum recorded at upload."""
 
 
+class ObjectGone(CkptfsError):
+    """The object behind a file was deleted or replaced in the store (ESTALE, as NFS says)."""
+
+
+class NeedsRestore(CkptfsError):
+    """The file is only in an archive storage class: ``ckptfs restore`` must bring it back."""
+
+
 class JournalCorrupt(CkptfsError):
     """The journal cannot be opened or does not match what this version expects."""
 
@@ -111,6 +119,9 @@ _ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (CrossDevice, errno.EXDEV),
     (StoreUnavailable, errno.EIO),
     (ChecksumMismatch, errno.EIO),
+    (ObjectGone, errno.ESTALE),
+    # "Try again later": the restore has been requested and takes hours in a real store.
+    (NeedsRestore, errno.EAGAIN),
     (JournalCorrupt, errno.EIO),
 )
 

@@ -1,103 +1,356 @@
-"""Read path: bring a file whose local copy was evicted back from the warm tier.
+"""Read path: fault in byte ranges of files whose data is not (wholly) local.
+
+A file known from the store but not local (state REMOTE) has a sparse staging file
+``data/<ino>`` of its full size; the blocks fetched so far are recorded in the journal
+(``ranges``), so nothing is downloaded twice, also across a remount.
 
 Invariants:
-- Bytes read back from a tier are checked against the checksum recorded at upload before the
-  file is served; a mismatch is refetched once, then the open fails (EIO) and is logged:
-  never wrong bytes.
-- Concurrent opens of the same file share one fetch.
-- The data is written to ``data/<ino>.fetch`` and renamed into place only once verified, so a
-  crash mid-fetch leaves no half file that looks whole.
+- Data is fetched in aligned blocks of ``fetch_block_size``, or of the object's integrity
+  block (integrity.py) when that is larger; both are powers of two, so a fetch block holds
+  whole integrity blocks, each verified on its own.
+- A block is recorded as present only after its bytes are on disk (fdatasync) and, when the
+  object has block CRCs, verified. A mismatch is fetched once more, then the read fails with
+  ChecksumMismatch (EIO) and is logged and counted: never wrong bytes from a verified object.
+  A file assembled whole is checked against its whole-file CRC32C when it has no block CRCs.
+- Concurrent readers of one block share one fetch (and its outcome); at most
+  ``concurrency`` range GETs are in flight for the whole mount.
+- Every fetched byte is reserved in the space budget first and given back when dropped.
+- ``drop(ino)`` bumps the inode's generation: a fetch that was in flight for an older
+  generation (the file was evicted, replaced or deleted meanwhile) records nothing.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
-from pathlib import Path
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import trio
 
-from ckptfs.errors import ChecksumMismatch, StoreUnavailable
-from ckptfs.journal import Row
+from ckptfs.errors import ChecksumMismatch, ObjectGone
+from ckptfs.integrity import BlockSums, fd_checksum, range_crc
+from ckptfs.journal import Journal, Row
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import ObjectMissing, Tier
 
 log = logging.getLogger(__name__)
 
-BLOCK = 64 * 1024 * 1024
+
+class RangeSet:
+    """Disjoint, sorted, coalesced [start, stop) intervals."""
+
+    def __init__(self, spans: list[tuple[int, int]] | None = None) -> None:
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+        for a, b in spans or []:
+            self.add(a, b)
+
+    def add(self, start: int, stop: int) -> None:
+        if stop <= start:
+            return
+        i = bisect.bisect_left(self.stops, start)  # first interval that ends at/after start
+        j = bisect.bisect_right(self.starts, stop)  # intervals before j start at/before stop
+        if i < j:
+            start = min(start, self.starts[i])
+            stop = max(stop, self.stops[j - 1])
+        self.starts[i:j] = [start]
+        self.stops[i:j] = [stop]
+
+    def covers(self, start: int, stop: int) -> bool:
+        if stop <= start:
+            return True
+        i = bisect.bisect_right(self.starts, start) - 1
+        return i >= 0 and self.stops[i] >= stop
+
+    def total(self) -> int:
+        return sum(b - a for a, b in zip(self.starts, self.stops, strict=True))
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts, self.stops, strict=True))
+
+
+@dataclass
+class _Inflight:
+    done: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
+
+
+@dataclass
+class FetchStats:
+    gets: int = 0
+    fetched_bytes: int = 0
+    integrity_failures: int = 0
+    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=512))
+    errors: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))
+
+
+Reserve = Callable[[int], Awaitable[None]]
 
 
 class Fetcher:
-    def __init__(self, tier: Tier, staging: Staging, concurrency: int = 4) -> None:
+    def __init__(
+        self, tier: Tier, staging: Staging, journal: Journal, *, block_size: int = 8 << 20,
+        concurrency: int = 8, readahead: int = 64 << 20, reserve: Reserve | None = None,
+        give_back: Callable[[int], None] | None = None,
+    ) -> None:
         self.tier = tier
         self.staging = staging
-        self.concurrency = concurrency
-        self._inflight: dict[int, trio.Event] = {}
-        self.fetched_bytes = 0
-        self.failures = 0
+        self.journal = journal
+        self.block_size = block_size
+        self.readahead_bytes = readahead
+        self._limiter = trio.CapacityLimiter(concurrency)
+        self._reserve = reserve
+        self._give_back = give_back
+        self._ranges: dict[int, RangeSet] = {}
+        self._inflight: dict[tuple[int, int], _Inflight] = {}
+        self._generation: dict[int, int] = {}
+        self.stats = FetchStats()
+        # Readahead runs here (the mount's nursery); without one there is no readahead.
+        self.nursery: trio.Nursery | None = None
 
-    async def fetch_whole(self, row: Row) -> None:
-        """Make ``row``'s local data file whole again (ChecksumMismatch/StoreUnavailable)."""
-        waiting = self._inflight.get(row.ino)
-        if waiting is not None:
-            await waiting.wait()
-            if not self.staging.exists(row.ino):
-                raise StoreUnavailable(f"fetching inode {row.ino} failed")
-            return
-        done = self._inflight[row.ino] = trio.Event()
-        try:
-            for attempt in (1, 2):
-                try:
-                    await self._fetch_once(row)
-                    return
-                except ChecksumMismatch:
-                    self.failures += 1
-                    if attempt == 2:
-                        log.error("%s: checksum mismatch twice; refusing to serve it",
-                                  row.remote_key)
-                        raise
-                    log.warning("%s: checksum mismatch, fetching again", row.remote_key)
-        finally:
-            del self._inflight[row.ino]
-            done.set()
+    # -- what is local ----------------------------------------------------------------------
 
-    async def _fetch_once(self, row: Row) -> None:
-        from ckptfs.upload import file_checksum
+    def unit(self, row: Row) -> int:
+        sums = self.sums(row)
+        return max(self.block_size, sums.block_size) if sums else self.block_size
 
-        assert row.remote_key is not None
-        part = self.staging.data_dir / f"{row.ino}.fetch"
-        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, row.size)
-            limiter = trio.Semaphore(self.concurrency)
+    @staticmethod
+    def sums(row: Row) -> BlockSums | None:
+        sums = BlockSums.decode(row.blocks)
+        return sums if sums and sums.matches_size(row.size) else None
 
-            async def block(offset: int) -> None:
-                async with limiter:
-                    length = min(BLOCK, row.size - offset)
-                    got = await self.tier.read_into(row.remote_key or "", offset, length, fd,
-                                                    offset)
-                    if got != length:
-                        raise ChecksumMismatch(
-                            f"{row.remote_key}: short read at {offset} ({got} of {length})")
+    def ranges(self, ino: int) -> RangeSet:
+        found = self._ranges.get(ino)
+        if found is None:
+            found = self._ranges[ino] = RangeSet(self.journal.ranges(ino))
+        return found
 
+    def local_bytes(self, ino: int) -> int:
+        return self.ranges(ino).total()
+
+    def is_complete(self, row: Row) -> bool:
+        return self.ranges(row.ino).covers(0, row.size)
+
+    def partial_inos(self) -> list[int]:
+        return self.journal.inos_with_ranges()
+
+    def prepare(self, row: Row) -> None:
+        """Make the sparse staging file exist at the file's size (before the first read)."""
+        if not self.staging.exists(row.ino):
+            fd = os.open(self.staging.path(row.ino),
+                         os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                async with trio.open_nursery() as nursery:
-                    for offset in range(0, row.size, BLOCK):
-                        nursery.start_soon(block, offset)
-            except* ObjectMissing as group:
-                raise group.exceptions[0] from None
-            except* ChecksumMismatch as group:
-                raise group.exceptions[0] from None
-            except* StoreUnavailable as group:
-                raise group.exceptions[0] from None
-            await trio.to_thread.run_sync(os.fsync, fd)
+                os.ftruncate(fd, row.size)
+            finally:
+                os.close(fd)
+
+    def drop(self, ino: int) -> int:
+        """Forget every fetched range of ``ino`` and delete its data; returns bytes freed."""
+        self._generation[ino] = self._generation.get(ino, 0) + 1
+        freed = self.ranges(ino).total()
+        self._ranges.pop(ino, None)
+        self.journal.set_ranges(ino, [])
+        self.staging.unlink(ino)
+        if freed and self._give_back:
+            self._give_back(freed)
+        return freed
+
+    def reset(self, ino: int) -> None:
+        """Forget the fetched ranges of ``ino`` but keep its data file (a handle has it open):
+        it is fetched again over the old bytes."""
+        self._generation[ino] = self._generation.get(ino, 0) + 1
+        freed = self.ranges(ino).total()
+        self._ranges.pop(ino, None)
+        self.journal.set_ranges(ino, [])
+        if freed and self._give_back:
+            self._give_back(freed)
+
+    async def settle(self, ino: int) -> None:
+        """Wait until no fetch of ``ino`` is in flight."""
+        while True:
+            pending = [f for (i, _), f in self._inflight.items() if i == ino]
+            if not pending:
+                return
+            await pending[0].done.wait()
+
+    def completed(self, ino: int) -> None:
+        """The file is wholly local and verified: its ranges are no longer needed."""
+        self._ranges.pop(ino, None)
+        self.journal.set_ranges(ino, [])
+
+    # -- fetching ---------------------------------------------------------------------------
+
+    async def ensure(self, row: Row, offset: int, length: int) -> None:
+        """Make ``[offset, offset + length)`` of ``row`` local (ChecksumMismatch, ObjectGone,
+        StoreUnavailable); blocks are fetched concurrently."""
+        stop = min(offset + length, row.size)
+        if stop <= offset:
+            return
+        unit = self.unit(row)
+        have = self.ranges(row.ino)
+        missing = [i for i in range(offset // unit, (stop - 1) // unit + 1)
+                   if not have.covers(i * unit, min((i + 1) * unit, row.size))]
+        if not missing:
+            return
+        if len(missing) == 1:
+            await self._block(row, missing[0])
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in missing:
+                    nursery.start_soon(self._block, row, index)
+        except BaseExceptionGroup as group:
+            # One clear error for the caller (the others are logged where they happened).
+            raise _first(group) from None
+
+    def readahead(self, row: Row, offset: int, nbytes: int) -> None:
+        """Start fetching ``[offset, offset + nbytes)`` in the background (best effort)."""
+        if self.nursery is None or nbytes <= 0 or offset >= row.size:
+            return
+        unit = self.unit(row)
+        have = self.ranges(row.ino)
+        stop = min(offset + nbytes, row.size)
+        for index in range(offset // unit, (stop - 1) // unit + 1):
+            if (row.ino, index) in self._inflight:
+                continue
+            if not have.covers(index * unit, min((index + 1) * unit, row.size)):
+                self.nursery.start_soon(self._readahead_block, row, index)
+
+    async def _readahead_block(self, row: Row, index: int) -> None:
+        try:
+            await self._block(row, index)
+        except Exception as exc:  # noqa: BLE001 (a reader that needs it fetches it again)
+            log.debug("readahead of block %d of inode %d failed: %s", index, row.ino, exc)
+
+    async def _block(self, row: Row, index: int) -> None:
+        key = (row.ino, index)
+        shared = self._inflight.get(key)
+        if shared is not None:
+            await shared.done.wait()
+            if shared.error is not None:
+                raise shared.error
+            return
+        shared = self._inflight[key] = _Inflight()
+        try:
+            await self._fetch_block(row, index)
+        except BaseException as exc:
+            shared.error = exc
+            raise
         finally:
-            os.close(fd)
-        if row.checksum:
-            actual = await trio.to_thread.run_sync(file_checksum, Path(part), row.size)
-            if actual != row.checksum:
-                os.unlink(part)
-                raise ChecksumMismatch(
-                    f"{row.remote_key}: store has {actual}, journal says {row.checksum}")
-        os.replace(part, self.staging.path(row.ino))
-        self.fetched_bytes += row.size
+            del self._inflight[key]
+            shared.done.set()
+
+    async def _fetch_block(self, row: Row, index: int) -> None:
+        assert row.remote_key is not None
+        key = row.remote_key
+        unit = self.unit(row)
+        sums = self.sums(row)
+        start = index * unit
+        length = min(unit, row.size - start)
+        generation = self._generation.get(row.ino, 0)
+        if self._reserve:
+            await self._reserve(length)
+        recorded = False
+        try:
+            self.prepare(row)
+            fd = self.staging.acquire(row.ino)
+            try:
+                for attempt in (1, 2):
+                    async with self._limiter:
+                        try:
+                            got = await self.tier.read_into(key, start, length, fd, start)
+                        except ObjectMissing:
+                            self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
+                            raise ObjectGone(f"{key} was deleted from {self.tier.url}") from None
+                    self.stats.gets += 1
+                    self.stats.fetched_bytes += got
+                    self.stats.recent.append((time.monotonic(), got))
+                    actual = await trio.to_thread.run_sync(
+                        _settle, fd, start, got, sums.block_size if sums else None)
+                    bad = None
+                    if sums:
+                        first = start // sums.block_size
+                        bad = next((first + i for i, crc in enumerate(actual)
+                                    if crc != sums.crcs[first + i]), None)
+                    if got == length and bad is None:
+                        break
+                    self.stats.integrity_failures += 1
+                    if got != length:
+                        what = f"{key}: short read at {start} ({got} of {length} bytes)"
+                    else:
+                        assert sums is not None and bad is not None
+                        what = (f"{key}: block {bad} has crc32c "
+                                f"{actual[bad - start // sums.block_size]:08x}, expected "
+                                f"{sums.crcs[bad]:08x}")
+                    if attempt == 1:
+                        log.warning("%s; fetching it again", what)
+                        continue
+                    await self._check_replaced(row)
+                    self._error(f"{what} (twice): refusing to serve it")
+                    raise ChecksumMismatch(what)
+            finally:
+                self.staging.release(row.ino, fd)
+            if self._generation.get(row.ino, 0) != generation:
+                return  # evicted, replaced or deleted meanwhile: the bytes are not its data
+            have = self.ranges(row.ino)
+            have.add(start, start + length)
+            self.journal.set_ranges(row.ino, have.spans())
+            recorded = True
+        finally:
+            if not recorded and self._give_back:
+                self._give_back(length)
+
+    async def _check_replaced(self, row: Row) -> None:
+        """After two bad reads: a new version written by another node is not corruption."""
+        assert row.remote_key is not None
+        try:
+            info = await self.tier.head(row.remote_key)
+        except ObjectMissing:
+            raise ObjectGone(f"{row.remote_key} was deleted from {self.tier.url}") from None
+        if info.meta.checksum != row.checksum or info.size != row.size:
+            raise ObjectGone(f"{row.remote_key} was replaced in {self.tier.url} since it was "
+                             "listed; open it again")
+
+    async def verify_whole(self, row: Row) -> None:
+        """A file assembled whole with no block CRCs: check its whole-file CRC32C."""
+        if self.sums(row) is not None or not row.checksum:
+            return
+        fd = self.staging.acquire(row.ino)
+        try:
+            actual = await trio.to_thread.run_sync(fd_checksum, fd, row.size)
+        finally:
+            self.staging.release(row.ino, fd)
+        if actual != row.checksum:
+            self.stats.integrity_failures += 1
+            raise ChecksumMismatch(
+                f"{row.remote_key}: assembled file has {actual}, the store says {row.checksum}")
+
+    def _error(self, message: str) -> None:
+        log.error("%s", message)
+        self.stats.errors.append((time.time(), message))
+
+    def rate(self, window: float = 60.0) -> float:
+        now = time.monotonic()
+        return sum(n for t, n in self.stats.recent if now - t < window) / window
+
+
+def _settle(fd: int, offset: int, length: int, block: int | None) -> list[int]:
+    """Make fetched bytes durable before they are recorded; the CRC32C of each ``block``
+    bytes of them (none if ``block`` is None)."""
+    crcs = [range_crc(fd, at, min(block, offset + length - at))
+            for at in range(offset, offset + length, block)] if block else []
+    os.fdatasync(fd)
+    return crcs
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first(exc)
+        if not isinstance(exc, trio.Cancelled):
+            return exc
+    return group.exceptions[0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -30,8 +31,10 @@ import trio
 
 from ckptfs.errors import (
     BadHandle,
+    ChecksumMismatch,
     InvalidArgument,
     IsADirectory,
+    NeedsRestore,
     NoSuchAttribute,
     NotFound,
     NotPermitted,
@@ -39,12 +42,15 @@ from ckptfs.errors import (
     StoreUnavailable,
     Unsupported,
 )
+from ckptfs.fetch import Fetcher
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.listing import Lister
 from ckptfs.namespace import Namespace
 from ckptfs.staging import SpaceBudget, Staging
+from ckptfs.tiers.base import ARCHIVE_CLASSES
 
 if TYPE_CHECKING:
-    from ckptfs.fetch import Fetcher
+    from ckptfs.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,21 @@ class Handle:
     ino: int
     fd: int | None
     writable: bool
+    # Sequential-read detection for readahead: where the next read would start, and how far
+    # ahead of it blocks are being fetched (doubles while the reader stays sequential).
+    next_offset: int = 0
+    window: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class ReadSettings:
+    """How the read path talks to the warm tier (Config keys of the same names)."""
+
+    metadata_ttl: float = 10.0
+    fetch_block_size: int = 8 * 1024 * 1024
+    fetch_concurrency: int = 8
+    readahead_bytes: int = 64 * 1024 * 1024
+    restore_days: int = 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,6 +155,8 @@ def state_label(row: Row) -> str:
     """What ``user.ckptfs.state`` says of a file."""
     if row.incomplete:
         return "incomplete"
+    if row.state is State.REMOTE and row.storage_class in ARCHIVE_CLASSES:
+        return "archived"
     if not stat.S_ISREG(row.mode):
         return "directory" if stat.S_ISDIR(row.mode) else "symlink"
     return row.state.value
@@ -145,12 +168,14 @@ class Filesystem:
     def __init__(
         self, journal: Journal, staging: Staging, *, unlink_remote: bool = True,
         fsync_remote: bool = False, space: SpaceBudget | None = None,
-        fetcher: Fetcher | None = None, write_stall_timeout: float = 300.0,
+        tier: Tier | None = None, read: ReadSettings = ReadSettings(),
+        write_stall_timeout: float = 300.0,
     ) -> None:
         self.journal = journal
         self.listener: ChangeListener = _NoListener()
         self.space = space or SpaceBudget(staging, None, 0.0)
-        self.fetcher = fetcher
+        self.read_settings = read
+        self.mountpoint = ""  # for messages that name a path the user can type
         self.write_stall_timeout = write_stall_timeout
         self.stall_seconds = 0.0
         # unlink = "local-only" leaves remote copies to retention; fsync = "remote" waits for
@@ -162,6 +187,17 @@ class Filesystem:
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._writers: dict[int, int] = {}
+        # The read path: without a tier (unit tests of the write path) every file is local.
+        self.fetcher: Fetcher | None = None
+        self.lister: Lister | None = None
+        if tier is not None:
+            self.fetcher = Fetcher(
+                tier, staging, journal, block_size=read.fetch_block_size,
+                concurrency=read.fetch_concurrency, readahead=read.readahead_bytes,
+                reserve=self._reserve, give_back=self.space.give_back,
+            )
+            self.lister = Lister(journal, self.ns, tier, ttl=read.metadata_ttl,
+                                 is_busy=self._busy, on_drop=self._drop_data)
         self.daemon_info: dict[str, object] = {}
 
     # -- start ----------------------------------------------------------------------------
@@ -191,6 +227,9 @@ class Filesystem:
             for row in self.journal.rows_in_states(State.UPLOADING):
                 row.state = State.STAGED
                 self.journal.update(row)
+        for ino in self.journal.inos_with_ranges():
+            if not self.staging.exists(ino):
+                self.journal.set_ranges(ino, [])  # the data file was lost: fetch again
         for stray in self.staging.stray_files(self.journal.all_inos()):
             if stray.name.endswith(".fetch"):
                 stray.unlink()  # a partial download: the store still has it
@@ -199,14 +238,38 @@ class Filesystem:
         self.space.used = self.journal.local_bytes()
 
     def _drop_data(self, row: Row) -> None:
-        if stat.S_ISREG(row.mode) and row.state is not State.REMOTE:
+        if not stat.S_ISREG(row.mode):
+            return
+        if row.state is State.REMOTE:
+            if self.fetcher is not None:
+                self.fetcher.drop(row.ino)  # fetched ranges, if any
+            else:
+                self.staging.unlink(row.ino)
+        else:
             self.staging.unlink(row.ino)
             self.space.give_back(row.size)
 
+    def _busy(self, ino: int) -> bool:
+        return bool(self.ns.open_count(ino) or self._writers.get(ino))
+
     # -- attributes -----------------------------------------------------------------------
 
-    def lookup(self, parent: int, name: bytes) -> Row:
-        row = self.ns.lookup(parent, name)
+    async def lookup(self, parent: int, name: bytes) -> Row:
+        try:
+            row = self.ns.lookup(parent, name)
+        except NotFound:
+            if self.lister is None or name in (b".", b".."):
+                raise
+            # A miss asks the store (at most once per metadata_ttl: the listing is cached,
+            # and so is the absence).
+            await self.lister.refresh(self.ns.get(parent))
+            row = self.ns.lookup(parent, name)
+        else:
+            if self.lister is not None and row.remote_key is not None and \
+                    row.state in (State.REMOTE, State.COMMITTED) and name not in (b".", b".."):
+                # A view of a remote object: another node may have replaced or removed it.
+                await self.lister.refresh(self.ns.get(parent))
+                row = self.ns.lookup(parent, name)
         self.ns.remember(row.ino)
         return row
 
@@ -227,8 +290,11 @@ class Filesystem:
     ) -> Row:
         row = self.ns.get(ino)
         now = time.time_ns()
-        if row.state is State.REMOTE and (size != 0 or mode is not None or uid is not None
-                                          or gid is not None or mtime_ns is not None):
+        if row.state is State.REMOTE and size == 0:
+            await self._discard_remote(row)  # nothing of the old bytes is needed
+        elif row.state is State.REMOTE and (size is not None or mode is not None
+                                            or uid is not None or gid is not None
+                                            or mtime_ns is not None):
             await self._ensure_local(row)  # the new version is built from the old bytes
         if size is not None:
             if stat.S_ISDIR(row.mode):
@@ -237,7 +303,7 @@ class Filesystem:
                 raise InvalidArgument("can only truncate a regular file")
             if size < 0:
                 raise InvalidArgument("negative size")
-            await self._reserve(size - row.size if row.state is not State.REMOTE else size)
+            await self._reserve(size - row.size)
             self._modify_data(row)
             self.staging.truncate(ino, size)
             row.size = size
@@ -280,12 +346,24 @@ class Filesystem:
 
     # -- namespace ------------------------------------------------------------------------
 
+    def _unhide(self, parent: int, name: bytes) -> None:
+        """A new entry at a path hidden by unlink = "local-only": the store may show it again."""
+        if not self.unlink_remote:
+            base = self.journal.path_of(parent)
+            if base is not None:
+                key = os.fsdecode(base + b"/" + name if base else name)
+                self.journal.unhide(key)
+                self.journal.unhide(key + "/")
+
     def mkdir(self, parent: int, name: bytes, mode: int, caller: Caller) -> Row:
+        self._unhide(parent, name)
         row = self.ns.create(
             parent, name, stat.S_IFDIR | stat.S_IMODE(mode), caller.uid, caller.gid,
             state=State.STAGED,
         )
         self.ns.remember(row.ino)
+        if self.lister is not None:
+            self.lister.created(row.ino)
         self.listener.inode_changed(row.ino)
         return row
 
@@ -293,6 +371,7 @@ class Filesystem:
         if not stat.S_ISREG(mode):
             # Device nodes, FIFOs and sockets have no place in a checkpoint store.
             raise NotPermitted("only regular files, directories and symlinks are supported")
+        self._unhide(parent, name)
         row = self.ns.create(parent, name, mode, caller.uid, caller.gid, state=State.STAGED)
         self.staging.create_empty(row.ino)
         self.ns.remember(row.ino)
@@ -300,6 +379,7 @@ class Filesystem:
         return row
 
     def symlink(self, parent: int, name: bytes, target: bytes, caller: Caller) -> Row:
+        self._unhide(parent, name)
         row = self.ns.create(
             parent, name, stat.S_IFLNK | 0o777, caller.uid, caller.gid, state=State.STAGED,
             target=target,
@@ -311,18 +391,24 @@ class Filesystem:
     def link(self, ino: int, parent: int, name: bytes) -> Row:
         raise NotPermitted("hard links are not supported")
 
-    def unlink(self, parent: int, name: bytes) -> None:
-        self._remove(parent, name, directory=False)
+    async def unlink(self, parent: int, name: bytes) -> None:
+        await self._remove(parent, name, directory=False)
 
-    def rmdir(self, parent: int, name: bytes) -> None:
-        self._remove(parent, name, directory=True)
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self._remove(parent, name, directory=True)
 
-    def _remove(self, parent: int, name: bytes, *, directory: bool) -> None:
+    async def _remove(self, parent: int, name: bytes, *, directory: bool) -> None:
         row = self.ns.lookup(parent, name)
+        if directory and self.lister is not None and stat.S_ISDIR(row.mode):
+            # ENOTEMPTY if the store has entries in it: wait for the listing, however long.
+            await self.lister.refresh(row, wait=math.inf)
+            row = self.ns.lookup(parent, name)
         keys = self._remote_keys(row)
         with self.journal.transaction():
             self.ns.unlink(parent, name, directory=directory)
             tombs = [(self.journal.add_tombstone(k), k) for k in keys]
+            if not self.unlink_remote and row.remote_key:
+                self.journal.hide(row.remote_key)  # kept remotely for retention, not shown
         self._forget_remote(row, tombs)
 
     def _remote_keys(self, row: Row) -> list[str]:
@@ -339,18 +425,31 @@ class Filesystem:
         for tomb_id, key in tombs:
             self.listener.tombstone_added(tomb_id, key)
 
-    def rename(
+    async def rename(
         self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
             RENAME_NOREPLACE | RENAME_EXCHANGE
         ):
             raise InvalidArgument(f"rename flags {flags:#x}")
-        self.ns.lookup(old_parent, old_name)  # ENOENT before anything changes
+        src = self.ns.lookup(old_parent, old_name)  # ENOENT before anything changes
         try:
             dst: Row | None = self.ns.lookup(new_parent, new_name)
         except NotFound:
             dst = None
+        if self.lister is not None:
+            # A directory known from the store moves with every descendant: the journal must
+            # know them all first. A directory about to be replaced must really be empty.
+            if stat.S_ISDIR(src.mode) and src.remote_key is not None:
+                await self.lister.refresh_tree(src)
+            if dst is not None and stat.S_ISDIR(dst.mode):
+                await self.lister.refresh(dst, wait=math.inf)
+            self.ns.lookup(old_parent, old_name)
+            try:
+                dst = self.ns.lookup(new_parent, new_name)
+            except NotFound:
+                dst = None
+        self._unhide(new_parent, new_name)
         exchange = bool(flags & RENAME_EXCHANGE)
         replaced_keys = self._remote_keys(dst) if dst is not None and not exchange else []
         if dst is not None and not exchange:
@@ -380,9 +479,11 @@ class Filesystem:
             else:
                 self.listener.inode_changed(row.ino)
 
-    def readdir(self, ino: int, after: int) -> Iterator[Row]:
+    async def readdir(self, ino: int, after: int) -> Iterator[Row]:
         """Entries after the cursor ``after`` (0 = start); each row's ino is the next cursor."""
-        self.ns.get(ino)
+        row = self.ns.get(ino)
+        if after == 0 and self.lister is not None:
+            await self.lister.refresh(row)
         return self.ns.children(ino, after)
 
     # -- files ----------------------------------------------------------------------------
@@ -399,11 +500,13 @@ class Filesystem:
         truncate = bool(flags & os.O_TRUNC)
         if row.state is State.REMOTE:
             if truncate:
-                self.staging.create_empty(ino)
-                row.state = State.COMMITTED  # local (and empty) again; truncated below
-                self.space.try_take(row.size)  # given back by the truncation below
+                await self._discard_remote(row)
+            elif writable:
+                await self._ensure_local(row)  # the new version is built from the old bytes
             else:
-                await self._ensure_local(row)
+                await self._check_archived(row)
+                assert self.fetcher is not None
+                self.fetcher.prepare(row)  # sparse: ranges are fetched as they are read
             row = self.ns.get(ino)
         if truncate:
             self.space.give_back(row.size)
@@ -425,6 +528,7 @@ class Filesystem:
         self, parent: int, name: bytes, mode: int, flags: int, caller: Caller
     ) -> tuple[int, Row]:
         writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        self._unhide(parent, name)
         row = self.ns.create(
             parent, name, stat.S_IFREG | stat.S_IMODE(mode), caller.uid, caller.gid,
             state=State.OPEN if writable else State.STAGED,
@@ -485,10 +589,35 @@ class Filesystem:
         row.closed_at = time.time()
         self.listener.inode_changed(row.ino)
 
-    def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
         assert handle.fd is not None
+        row = self.ns.get(handle.ino)
+        size = max(0, min(size, row.size - offset))  # the journal's size is the file's size
+        if row.state is State.REMOTE and self.fetcher is not None:
+            await self.fetcher.ensure(row, offset, size)
+            self._read_ahead(handle, row, offset, size)
+            if row.state is State.REMOTE and self.fetcher.is_complete(row):
+                await self._completed(row)
         return self.staging.pread(handle.fd, size, offset)
+
+    def _read_ahead(self, handle: Handle, row: Row, offset: int, size: int) -> None:
+        """Sequential readers get blocks fetched ahead of them, a window that doubles up to
+        ``readahead_bytes``; a jump elsewhere starts over."""
+        assert self.fetcher is not None
+        limit = self.fetcher.readahead_bytes
+        end = offset + size
+        if limit <= 0:
+            return
+        if offset == handle.next_offset or (handle.window and
+                                            handle.next_offset <= offset < handle.next_offset
+                                            + handle.window):
+            unit = self.fetcher.unit(row)
+            handle.window = min(max(2 * handle.window, 2 * unit), max(limit, unit))
+            self.fetcher.readahead(row, end, handle.window)
+        else:
+            handle.window = 0
+        handle.next_offset = end
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self._handle(fh)
@@ -539,8 +668,15 @@ class Filesystem:
                           f"{self.write_stall_timeout:.0f}s")
 
     def _evict(self, nbytes: int) -> int:
-        """Drop local copies of committed files, oldest first, until ``nbytes`` are freed."""
+        """Drop local copies of committed files, oldest first, until ``nbytes`` are freed
+        (fetched ranges of files not wholly local go first)."""
         freed = 0
+        if self.fetcher is not None:
+            for ino in self.fetcher.partial_inos():
+                if freed >= nbytes:
+                    return freed
+                if not self._busy(ino):
+                    freed += self.fetcher.drop(ino)
         for row in self.journal.rows_in_states(State.COMMITTED):
             if freed >= nbytes:
                 break
@@ -554,28 +690,129 @@ class Filesystem:
 
     def evict(self, row: Row) -> None:
         """Drop the local copy of a committed file; it stays readable from the warm tier."""
+        if self.fetcher is not None:
+            self.fetcher.drop(row.ino)  # a new generation: no late fetch lands in it
         self.staging.unlink(row.ino)
         self.space.give_back(row.size)
         row.state = State.REMOTE
         self.ns.persist(row)
         log.info("evicted local copy of %s (%d bytes)", row.remote_key, row.size)
 
+    def evict_tree(self, ino: int) -> tuple[int, int, list[str]]:
+        """``ckptfs evict PATH``: drop local copies of committed files at or under ``ino``.
+
+        Returns (files evicted, bytes freed, files kept with the reason). Files not committed
+        yet, or open, keep their local copy: evicting them would lose data or pull data from
+        under a reader."""
+        evicted, freed, kept = 0, 0, []
+        for each in [ino, *self.journal.descendants(ino)]:
+            row = self.ns.get(each)
+            if not stat.S_ISREG(row.mode):
+                continue
+            path = os.fsdecode(self.journal.path_of(each) or b"?")
+            if self._busy(each):
+                kept.append(f"{path}: open")
+            elif row.state is State.COMMITTED and row.remote_key is not None:
+                self.evict(row)
+                evicted, freed = evicted + 1, freed + row.size
+            elif row.state is State.REMOTE and self.fetcher is not None:
+                dropped = self.fetcher.drop(each)
+                if dropped:
+                    evicted, freed = evicted + 1, freed + dropped
+            else:
+                kept.append(f"{path}: {state_label(row)}, not committed to the store yet")
+        return evicted, freed, kept
+
+    async def ensure_local(self, row: Row) -> None:
+        """``ckptfs restore --local`` and friends: the whole file on NVMe."""
+        await self._ensure_local(row)
+
+    async def resolve(self, rel: str) -> Row:
+        """The entry at ``rel`` (relative to the mount root), asking the store on a miss."""
+        row = self.ns.get(ROOT_INODE)
+        for part in (p for p in rel.split("/") if p and p != "."):
+            name = os.fsencode(part)
+            try:
+                row = self.ns.lookup(row.ino, name)
+            except NotFound:
+                if self.lister is None:
+                    raise
+                await self.lister.refresh(row)
+                row = self.ns.lookup(row.ino, name)
+        return row
+
     async def _ensure_local(self, row: Row) -> None:
-        """Fetch an evicted file back from the warm tier (checksum-verified)."""
+        """Make a file known from the store wholly local (verified), e.g. before a write."""
         if row.state is not State.REMOTE:
             return
         if self.fetcher is None or row.remote_key is None:
             raise StoreUnavailable(f"inode {row.ino} has no local copy and no store to read")
-        await self._reserve(row.size)
+        await self._check_archived(row)
+        self.ns.pin(row.ino)  # not evicted while it is being assembled
         try:
-            await self.fetcher.fetch_whole(row)
-        except BaseException:
-            self.space.give_back(row.size)
-            raise
-        row = self.ns.get(row.ino)
-        if row.state is State.REMOTE:
+            self.fetcher.prepare(row)
+            await self.fetcher.ensure(row, 0, row.size)
+            if row.state is State.REMOTE:
+                await self._completed(row)
+        finally:
+            self.ns.unpin(row.ino)
+
+    async def _completed(self, row: Row) -> None:
+        """Every block is local: verify the whole file if it has no block CRCs, then it is
+        a committed local copy (evictable again)."""
+        assert self.fetcher is not None
+        version = row.version
+        for attempt in (1, 2):
+            try:
+                await self.fetcher.verify_whole(row)
+                break
+            except ChecksumMismatch as exc:
+                if attempt == 2 or row.version != version:
+                    self.fetcher.stats.errors.append((time.time(), str(exc)))
+                    log.error("%s (twice): refusing to serve it", exc)
+                    raise
+                log.warning("%s; fetching it again", exc)
+                self.fetcher.reset(row.ino)
+                await self.fetcher.ensure(row, 0, row.size)
+        if row.state is State.REMOTE and row.version == version \
+                and self.fetcher.is_complete(row):
             row.state = State.COMMITTED
             self.ns.persist(row)
+            self.fetcher.completed(row.ino)
+
+    async def _discard_remote(self, row: Row) -> None:
+        """The old bytes of a file known from the store are not needed (O_TRUNC, truncate
+        to 0): it becomes an empty local file, without a download."""
+        assert self.fetcher is not None
+        await self.fetcher.settle(row.ino)  # no fetch may write old bytes into the new file
+        if self.ns.open_count(row.ino):
+            self.fetcher.reset(row.ino)
+            self.staging.truncate(row.ino, 0)
+        else:
+            self.fetcher.drop(row.ino)
+            self.staging.create_empty(row.ino)
+        row.size = 0
+        row.state = State.COMMITTED  # local and empty; the caller starts the new version
+        self.ns.persist(row)
+
+    async def _check_archived(self, row: Row) -> None:
+        """A file only in an archive storage class cannot be read until it is restored:
+        start the restore and fail fast with the command that waits for it."""
+        if row.storage_class not in ARCHIVE_CLASSES or self.fetcher is None:
+            return
+        assert row.remote_key is not None
+        info = await self.fetcher.tier.head(row.remote_key)
+        if not info.archived:
+            return  # restored (a temporary copy is readable), or moved to a readable class
+        if info.restore_state is None:
+            await self.fetcher.tier.restore(row.remote_key, self.read_settings.restore_days)
+            log.info("%s: restore from %s requested", row.remote_key, info.storage_class)
+        path = os.path.join(self.mountpoint, os.fsdecode(self.journal.path_of(row.ino) or b"?"))
+        message = (f"{path} is in {info.storage_class} (restore "
+                   f"{'in progress' if info.restore_state else 'requested'}); run "
+                   f"`ckptfs restore {path}` to wait for it")
+        log.warning("%s", message)
+        raise NeedsRestore(message)
 
     def flush(self, fh: int) -> None:
         """close() of one file descriptor: make size/mtime visible in the journal.
@@ -614,7 +851,7 @@ class Filesystem:
             self._end_write(row)
         elif self.ns.is_dirty(row.ino):
             self.ns.persist(row)
-        self.staging.release(handle.ino)
+        self.staging.release(handle.ino, handle.fd)
         self.ns.unpin(handle.ino)
 
     def fsyncdir(self) -> None:

@@ -53,12 +53,12 @@ def _translate_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def entry_attributes(row: Row) -> pyfuse3.EntryAttributes:
+def entry_attributes(row: Row, timeout: float = ATTR_TIMEOUT) -> pyfuse3.EntryAttributes:
     entry = pyfuse3.EntryAttributes()
     entry.st_ino = row.ino
     entry.generation = 0
-    entry.entry_timeout = ATTR_TIMEOUT
-    entry.attr_timeout = ATTR_TIMEOUT
+    entry.entry_timeout = timeout
+    entry.attr_timeout = timeout
     entry.st_mode = row.mode
     # Directories report 1 like btrfs: "unknown number of subdirectories" to find(1).
     entry.st_nlink = 0 if row.parent is None and row.ino != ROOT_INODE else 1
@@ -84,13 +84,19 @@ class FuseOps(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, fs: Filesystem) -> None:
+    def __init__(self, fs: Filesystem, attr_timeout: float = ATTR_TIMEOUT) -> None:
         super().__init__()
         self.fs = fs
+        # Another node's changes show up within metadata_ttl: the kernel may not cache
+        # entries and attributes longer than that.
+        self.attr_timeout = attr_timeout
+
+    def _entry(self, row: Row) -> pyfuse3.EntryAttributes:
+        return entry_attributes(row, self.attr_timeout)
 
     @_translate_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
-        return entry_attributes(self.fs.lookup(parent_inode, name))
+        return self._entry(await self.fs.lookup(parent_inode, name))
 
     @_translate_errors
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -99,7 +105,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def getattr(self, inode: int, ctx: Any = None) -> Any:
-        return entry_attributes(self.fs.getattr(inode))
+        return self._entry(self.fs.getattr(inode))
 
     @_translate_errors
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any) -> Any:
@@ -113,7 +119,7 @@ class FuseOps(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        return entry_attributes(row)
+        return self._entry(row)
 
     @_translate_errors
     async def readlink(self, inode: int, ctx: Any) -> bytes:
@@ -121,34 +127,34 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> Any:
-        return entry_attributes(self.fs.mknod(parent_inode, name, mode, _caller(ctx)))
+        return self._entry(self.fs.mknod(parent_inode, name, mode, _caller(ctx)))
 
     @_translate_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> Any:
-        return entry_attributes(self.fs.mkdir(parent_inode, name, mode, _caller(ctx)))
+        return self._entry(self.fs.mkdir(parent_inode, name, mode, _caller(ctx)))
 
     @_translate_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
-        self.fs.unlink(parent_inode, name)
+        await self.fs.unlink(parent_inode, name)
 
     @_translate_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
-        self.fs.rmdir(parent_inode, name)
+        await self.fs.rmdir(parent_inode, name)
 
     @_translate_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> Any:
-        return entry_attributes(self.fs.symlink(parent_inode, name, target, _caller(ctx)))
+        return self._entry(self.fs.symlink(parent_inode, name, target, _caller(ctx)))
 
     @_translate_errors
     async def rename(
         self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
         flags: int, ctx: Any,
     ) -> None:
-        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @_translate_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> Any:
-        return entry_attributes(self.fs.link(inode, new_parent_inode, new_name))
+        return self._entry(self.fs.link(inode, new_parent_inode, new_name))
 
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
@@ -159,11 +165,11 @@ class FuseOps(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[Any, Any]:
         fh, row = self.fs.create(parent_inode, name, mode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh), entry_attributes(row)
+        return pyfuse3.FileInfo(fh=fh), self._entry(row)
 
     @_translate_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return self.fs.read(fh, off, size)
+        return await self.fs.read(fh, off, size)
 
     @_translate_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -192,17 +198,17 @@ class FuseOps(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         # Cursors: 1 after ".", 2 after "..", ino + 2 after an entry (inode order is stable).
         if start_id == 0:
-            if not pyfuse3.readdir_reply(token, b".", entry_attributes(self.fs.getattr(fh)), 1):
+            if not pyfuse3.readdir_reply(token, b".", self._entry(self.fs.getattr(fh)), 1):
                 return
             start_id = 1
         if start_id == 1:
             parent = self.fs.getattr(fh).parent or ROOT_INODE
-            if not pyfuse3.readdir_reply(token, b"..", entry_attributes(self.fs.getattr(parent)), 2):
+            if not pyfuse3.readdir_reply(token, b"..", self._entry(self.fs.getattr(parent)), 2):
                 return
             start_id = 2
-        for row in self.fs.readdir(fh, start_id - 2):
+        for row in await self.fs.readdir(fh, start_id - 2):
             assert row.name is not None
-            if not pyfuse3.readdir_reply(token, row.name, entry_attributes(row), row.ino + 2):
+            if not pyfuse3.readdir_reply(token, row.name, self._entry(row), row.ino + 2):
                 return
             # readdirplus gave the kernel a reference ("." and ".." excepted).
             self.fs.remember(row.ino)

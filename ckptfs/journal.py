@@ -36,7 +36,7 @@ from pathlib import Path
 from ckptfs.errors import JournalCorrupt
 
 ROOT_INODE = 1
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class State(enum.StrEnum):
@@ -75,6 +75,14 @@ class Row:
     # The key an upload in flight writes to (journal first: after a crash, a copy there that
     # the journal never recorded is found and removed if the file moved meanwhile).
     uploading_key: str | None = None
+    # Per-block CRC32Cs of the committed copy (integrity.BlockSums encoded), so that range
+    # reads are verified; None for objects that carry none (written by other tools).
+    blocks: str | None = None
+    # The remote copy's storage class when it is not the tier's default (GLACIER...).
+    storage_class: str | None = None
+    # The object's tag when its metadata was last read: a listing that shows the same tag
+    # needs no HEAD to tell whether another node rewrote it.
+    remote_etag: str | None = None
 
 
 _COLUMNS = tuple(f.name for f in fields(Row))
@@ -103,11 +111,23 @@ CREATE TABLE IF NOT EXISTS inodes (
     committed_at REAL,
     remote_key   TEXT,
     uploading_key TEXT,
+    blocks       TEXT,
+    storage_class TEXT,
+    remote_etag  TEXT,
     UNIQUE (parent, name)
 );
 CREATE TABLE IF NOT EXISTS tombstones (
     id  INTEGER PRIMARY KEY AUTOINCREMENT,
     key TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ranges (
+    ino   INTEGER NOT NULL REFERENCES inodes(ino) ON DELETE CASCADE,
+    start INTEGER NOT NULL,
+    stop  INTEGER NOT NULL,
+    PRIMARY KEY (ino, start)
+);
+CREATE TABLE IF NOT EXISTS hidden (
+    key TEXT PRIMARY KEY
 );
 CREATE TABLE IF NOT EXISTS xattrs (
     ino   INTEGER NOT NULL REFERENCES inodes(ino) ON DELETE CASCADE,
@@ -130,6 +150,7 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._in_tx = False
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -139,7 +160,6 @@ class Journal:
             self._check_version()
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"cannot open journal {path}: {exc}") from exc
-        self._in_tx = False
 
     def _check_version(self) -> None:
         found = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
@@ -148,6 +168,14 @@ class Journal:
                 "INSERT INTO meta VALUES ('schema', ?), ('created', ?)",
                 (str(SCHEMA_VERSION), str(time.time())),
             )
+        elif int(found[0]) == 1:
+            # Version 2 added the read path: block checksums, storage class, etag, fetched
+            # ranges and hidden keys (the tables are created by the schema script).
+            with self.transaction():
+                for column in ("blocks", "storage_class", "remote_etag"):
+                    self._db.execute(f"ALTER TABLE inodes ADD COLUMN {column} TEXT")
+                self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'",
+                                 (str(SCHEMA_VERSION),))
         elif int(found[0]) != SCHEMA_VERSION:
             raise JournalCorrupt(
                 f"journal {self.path} has schema {found[0]}, this ckptfs reads {SCHEMA_VERSION}"
@@ -314,11 +342,44 @@ class Journal:
         ]
 
     def local_bytes(self) -> int:
-        """Bytes of file data in staging (apparent sizes of files not evicted)."""
+        """Bytes of file data in staging: whole local files plus fetched ranges of the rest."""
         found = self._db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE (mode & 61440) = 32768"
             " AND state != ?", (State.REMOTE.value,)).fetchone()
-        return int(found[0])
+        fetched = self._db.execute("SELECT COALESCE(SUM(stop - start), 0) FROM ranges").fetchone()
+        return int(found[0]) + int(fetched[0])
+
+    # -- fetched ranges of files not wholly local -------------------------------------------
+
+    def ranges(self, ino: int) -> list[tuple[int, int]]:
+        return [(int(a), int(b)) for a, b in self._db.execute(
+            "SELECT start, stop FROM ranges WHERE ino = ? ORDER BY start", (ino,))]
+
+    def set_ranges(self, ino: int, spans: list[tuple[int, int]]) -> None:
+        with self.transaction():
+            self._db.execute("DELETE FROM ranges WHERE ino = ?", (ino,))
+            self._db.executemany("INSERT INTO ranges VALUES (?, ?, ?)",
+                                 [(ino, a, b) for a, b in spans])
+
+    def inos_with_ranges(self) -> list[int]:
+        return [int(r[0]) for r in self._db.execute("SELECT DISTINCT ino FROM ranges")]
+
+    # -- keys hidden by unlink = "local-only" (kept remotely for retention) --------------------
+
+    def hide(self, key: str) -> None:
+        self._db.execute("INSERT OR IGNORE INTO hidden VALUES (?)", (key,))
+
+    def unhide(self, key: str) -> None:
+        self._db.execute("DELETE FROM hidden WHERE key = ?", (key,))
+
+    def hidden_under(self, prefix: str) -> set[str]:
+        return {str(r[0]) for r in self._db.execute(
+            "SELECT key FROM hidden WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))}
+
+    def tombstoned_under(self, prefix: str) -> set[str]:
+        """Keys under ``prefix`` with a deletion still pending (they must not reappear)."""
+        return {str(r[0]) for r in self._db.execute(
+            "SELECT key FROM tombstones WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))}
 
     def interrupted_uploads(self) -> list[Row]:
         return [_row(r) for r in self._db.execute(_SELECT + " WHERE uploading_key IS NOT NULL")]

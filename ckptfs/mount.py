@@ -24,10 +24,9 @@ from ckptfs import __version__
 from ckptfs.config import Config
 from ckptfs.control import ControlServer
 from ckptfs.errors import StoreUnavailable, UserError
-from ckptfs.fetch import Fetcher
-from ckptfs.fs import Filesystem
+from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
-from ckptfs.journal import Journal
+from ckptfs.journal import ROOT_INODE, Journal
 from ckptfs.mountinfo import check_mountpoint
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
@@ -71,6 +70,15 @@ def prepare(config: Config, mountpoint: Path) -> tuple[Path, Staging]:
     return mountpoint, staging
 
 
+def read_settings(config: Config) -> ReadSettings:
+    return ReadSettings(
+        metadata_ttl=config.metadata_ttl.total_seconds(),
+        fetch_block_size=config.fetch_block_size,
+        fetch_concurrency=config.fetch_concurrency,
+        readahead_bytes=config.readahead_bytes,
+    )
+
+
 async def open_warm_tier(config: Config) -> Tier:
     """The warm tier, checked: an unreachable store or missing bucket fails the mount fast."""
     tier = open_tier(config.warm)
@@ -98,10 +106,11 @@ async def serve(
             journal, staging, unlink_remote=config.unlink == "posix",
             fsync_remote=config.fsync == "remote",
             space=SpaceBudget(staging, config.staging_max_bytes, config.staging_min_free_ratio),
-            fetcher=Fetcher(tier, staging),
+            tier=tier, read=read_settings(config),
             write_stall_timeout=config.write_stall_timeout.total_seconds(),
         )
         fs.start()
+        fs.mountpoint = str(mountpoint)
         uploader = Uploader(journal, fs.ns, staging, tier,
                             concurrency=config.upload_concurrency, markers=config.commit_markers)
         fs.listener = uploader
@@ -131,7 +140,14 @@ async def serve(
                                config.retention_interval.total_seconds())
             if metrics is not None:
                 nursery.start_soon(metrics.serve)
-            pyfuse3.init(FuseOps(fs), str(mountpoint), fuse_options(config))
+            assert fs.fetcher is not None and fs.lister is not None
+            fs.fetcher.nursery = nursery  # readahead runs beside the FUSE workers
+            fs.lister.nursery = nursery  # and listings a lookup stopped waiting for
+            # The root's listing before the mount is ready: the first lookups (often a
+            # writer's new files) then never wait for the store.
+            await fs.lister.refresh(fs.getattr(ROOT_INODE))
+            ops = FuseOps(fs, attr_timeout=min(10.0, config.metadata_ttl.total_seconds()))
+            pyfuse3.init(ops, str(mountpoint), fuse_options(config))
             try:
                 log.info("mounted %s (staging %s, warm tier %s)", mountpoint, staging.root,
                          config.warm.url)

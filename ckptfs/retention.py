@@ -175,6 +175,10 @@ def select(checkpoints: Sequence[Checkpoint], policy: Policy, now: float
     for t in policy.tiers:
         chosen: dict[str, list[str]] = {}
         keep = t.keep
+        if keep.all:
+            for c in checkpoints:
+                if c.step is not None:
+                    chosen.setdefault(c.name, []).append("all")
         if keep.last:
             for c in complete[:keep.last]:
                 chosen.setdefault(c.name, []).append(f"last {keep.last}")

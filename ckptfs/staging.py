@@ -43,6 +43,9 @@ class Staging:
         self.root = root
         self.data_dir = root / "data"
         self._open: dict[int, _OpenData] = {}
+        # Descriptors of data files unlinked while still held (a fetch in flight when a file
+        # was evicted): closed at their last release, never handed out again.
+        self._detached: dict[int, _OpenData] = {}
         self._lock_fd: int | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -148,7 +151,15 @@ class Staging:
         data.refs += 1
         return data.fd
 
-    def release(self, ino: int) -> None:
+    def release(self, ino: int, fd: int | None = None) -> None:
+        """Give back one reference; ``fd`` (what acquire returned) tells a detached one."""
+        if fd is not None and fd in self._detached:
+            data = self._detached[fd]
+            data.refs -= 1
+            if data.refs == 0:
+                del self._detached[fd]
+                os.close(data.fd)
+            return
         data = self._open[ino]
         data.refs -= 1
         if data.refs == 0:
@@ -187,6 +198,10 @@ class Staging:
             os.fsync(fd)
 
     def unlink(self, ino: int) -> None:
+        held = self._open.pop(ino, None)
+        if held is not None:
+            # Whoever holds it keeps writing to the old file; the next acquire gets a new one.
+            self._detached[held.fd] = held
         try:
             os.unlink(self.path(ino))
         except FileNotFoundError:

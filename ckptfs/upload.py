@@ -46,6 +46,7 @@ import crc32c
 import trio
 
 from ckptfs.errors import NotFound
+from ckptfs.integrity import MIN_BLOCK, file_sums, format_crc
 from ckptfs.journal import Journal, Row, State
 from ckptfs.namespace import Namespace
 from ckptfs.staging import Staging
@@ -97,7 +98,7 @@ def file_checksum(path: Path, size: int) -> str:
                 break
             value = crc32c.crc32c(chunk, value)
             left -= len(chunk)
-    return f"crc32c:{value:08x}"
+    return format_crc(value)
 
 
 def is_marker(name: str, patterns: Iterable[str]) -> bool:
@@ -110,8 +111,10 @@ class Uploader:
     def __init__(
         self, journal: Journal, ns: Namespace, staging: Staging, tier: Tier, *,
         concurrency: int, markers: Iterable[str], clock: Callable[[], float] = trio.current_time,
+        min_block: int = MIN_BLOCK,
     ) -> None:
         self.journal = journal
+        self.min_block = min_block  # the smallest integrity block (integrity.py)
         self.ns = ns
         self.staging = staging
         self.tier = tier
@@ -384,13 +387,15 @@ class Uploader:
         source = self.staging.path(row.ino)
         size = row.size
         try:
-            checksum = await trio.to_thread.run_sync(file_checksum, source, size)
+            checksum, sums = await trio.to_thread.run_sync(file_sums, source, size,
+                                                           self.min_block)
         except FileNotFoundError:
             if self.journal.path_of(row.ino) is None:
                 return  # unlinked since it was queued: nothing to upload
             raise
+        blocks = sums.encode()
         meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
-                          checksum)
+                          checksum, blocks=blocks)
 
         def progress(n: int) -> None:
             work.done_bytes += n
@@ -424,6 +429,9 @@ class Uploader:
         if row.version == version and row.state is State.UPLOADING:
             row.state = State.COMMITTED
             row.checksum = checksum
+            row.blocks = blocks
+            row.storage_class = None
+            row.remote_etag = None
             row.tiers = self.tier.name
             row.committed_at = time.time()
         with self.journal.transaction():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import trio.testing
 
 from tests.mounting import Mounter
+from tests.s3bucket import Bucket
 from tests.s3server import S3Server, start_server
 
 
@@ -39,3 +41,16 @@ def s3_server() -> Iterator[S3Server]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server, mounter: Mounter) -> Iterator[Bucket]:
+    b = Bucket(s3_server, s3_server.new_bucket())
+    yield b
+    # Unmount first (the mounter's own teardown then finds nothing to do): uploads still
+    # pending must not meet a deleted bucket.
+    mounter.teardown()
+    # moto keeps every object in this process's memory; best effort (after a failure the
+    # server may be down)
+    with contextlib.suppress(Exception):
+        b.empty()

@@ -49,7 +49,7 @@ async def write_file(fs: Filesystem, parent: int, name: bytes, data: bytes) -> i
 async def read_file(fs: Filesystem, ino: int) -> bytes:
     fh = await fs.open(ino, os.O_RDONLY)
     try:
-        return fs.read(fh, 0, 1 << 30)
+        return await fs.read(fh, 0, 1 << 30)
     finally:
         fs.release(fh)
 
@@ -81,7 +81,7 @@ async def test_sparse_write_and_o_trunc(fs: Filesystem) -> None:
     fh, row = fs.create(ROOT, b"s", 0o644, os.O_RDWR | os.O_CREAT, ROOT_CALLER)
     await fs.write(fh, 5 << 30, b"end")  # past 4 GiB
     assert row.size == (5 << 30) + 3
-    assert fs.read(fh, 1 << 30, 4) == b"\0" * 4
+    assert await fs.read(fh, 1 << 30, 4) == b"\0" * 4
     fs.release(fh)
     fh = await fs.open(row.ino, os.O_WRONLY | os.O_TRUNC)
     assert row.size == 0
@@ -91,10 +91,10 @@ async def test_sparse_write_and_o_trunc(fs: Filesystem) -> None:
 async def test_unlink_while_open_keeps_data_until_release(fs: Filesystem) -> None:
     ino = await write_file(fs, ROOT, b"f", b"data")
     fh = await fs.open(ino, os.O_RDONLY)
-    fs.unlink(ROOT, b"f")
+    await fs.unlink(ROOT, b"f")
     with pytest.raises(errors.NotFound):
-        fs.lookup(ROOT, b"f")
-    assert fs.read(fh, 0, 10) == b"data"
+        await fs.lookup(ROOT, b"f")
+    assert await fs.read(fh, 0, 10) == b"data"
     fs.release(fh)
     assert not fs.staging.exists(ino)
     assert fs.journal.get(ino) is not None  # the kernel may still stat it until forget
@@ -106,12 +106,12 @@ async def test_rename_semantics(fs: Filesystem) -> None:
     a = await write_file(fs, ROOT, b"a", b"A")
     b = await write_file(fs, ROOT, b"b", b"B")
     with pytest.raises(errors.AlreadyExists):
-        fs.rename(ROOT, b"a", ROOT, b"b", RENAME_NOREPLACE)
-    fs.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
-    assert await read_file(fs, fs.lookup(ROOT, b"b").ino) == b"A"
-    assert await read_file(fs, fs.lookup(ROOT, b"a").ino) == b"B"
-    fs.rename(ROOT, b"a", ROOT, b"b")  # replaces b, whose data goes once unreferenced
-    assert fs.lookup(ROOT, b"b").ino == b
+        await fs.rename(ROOT, b"a", ROOT, b"b", RENAME_NOREPLACE)
+    await fs.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
+    assert await read_file(fs, (await fs.lookup(ROOT, b"b")).ino) == b"A"
+    assert await read_file(fs, (await fs.lookup(ROOT, b"a")).ino) == b"B"
+    await fs.rename(ROOT, b"a", ROOT, b"b")  # replaces b, whose data goes once unreferenced
+    assert (await fs.lookup(ROOT, b"b")).ino == b
     assert fs.journal.get(a) is not None  # still known to the kernel (lookup count)
     fs.forget(a, 10)
     assert fs.journal.get(a) is None and not fs.staging.exists(a)
@@ -122,17 +122,17 @@ async def test_directory_rules(fs: Filesystem) -> None:
     sub = fs.mkdir(d.ino, b"sub", 0o755, ROOT_CALLER)
     await write_file(fs, sub.ino, b"f", b"x")
     with pytest.raises(errors.NotEmpty):
-        fs.rmdir(ROOT, b"d")
+        await fs.rmdir(ROOT, b"d")
     with pytest.raises(errors.InvalidArgument):
-        fs.rename(ROOT, b"d", sub.ino, b"loop")
+        await fs.rename(ROOT, b"d", sub.ino, b"loop")
     with pytest.raises(errors.IsADirectory):
-        fs.unlink(ROOT, b"d")
+        await fs.unlink(ROOT, b"d")
     e = fs.mkdir(ROOT, b"e", 0o755, ROOT_CALLER)
     with pytest.raises(errors.NotEmpty):
-        fs.rename(ROOT, b"e", ROOT, b"d")
-    fs.rename(ROOT, b"d", ROOT, b"e")  # over an empty directory
-    assert fs.journal.path_of(fs.lookup(sub.ino, b"f").ino) == b"e/sub/f"
-    assert fs.lookup(ROOT, b"e").ino == d.ino and e.ino != d.ino
+        await fs.rename(ROOT, b"e", ROOT, b"d")
+    await fs.rename(ROOT, b"d", ROOT, b"e")  # over an empty directory
+    assert fs.journal.path_of((await fs.lookup(sub.ino, b"f")).ino) == b"e/sub/f"
+    assert (await fs.lookup(ROOT, b"e")).ino == d.ino and e.ino != d.ino
     with pytest.raises(errors.NameTooLong):
         fs.mkdir(ROOT, b"n" * 256, 0o755, ROOT_CALLER)
 

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,11 @@ def assert_closed_files(m: Mount, rel_dir: str) -> None:
 
 
 def run_ranks(mode: str, world: int, ckpt: Path, workdir: Path, *, seed: int,
-              timeout: float = 240) -> list[dict[str, Any]]:
+              timeout: float = 240, ckpt_of: Callable[[int], Path] | None = None,
+              ) -> list[dict[str, Any]]:
     """Run ``world`` worker processes (one per rank); return their RESULT records by rank.
 
+    ``ckpt_of(rank)`` gives each rank its own checkpoint path (ranks on different "nodes").
     Raises with every rank's output if any rank fails or the group does not finish in time.
     """
     workdir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +97,8 @@ def run_ranks(mode: str, world: int, ckpt: Path, workdir: Path, *, seed: int,
         with open(log, "wb") as out:
             p = subprocess.Popen(
                 [sys.executable, str(WORKER), mode, "--rank", str(rank), "--world", str(world),
-                 "--init", str(init), "--ckpt", str(ckpt), "--seed", str(seed)],
+                 "--init", str(init), "--ckpt", str(ckpt_of(rank) if ckpt_of else ckpt),
+                 "--seed", str(seed)],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=workdir, env=env,  # cwd off the mount: a cwd inside it would block umount
             )

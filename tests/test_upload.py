@@ -15,7 +15,6 @@ import trio
 
 from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.fetch import Fetcher
 from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER, Filesystem
 from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.staging import Staging
@@ -54,11 +53,11 @@ class Rig:
         parts = path.split("/")
         for part in parts[:-1]:
             try:
-                parent = self.fs.lookup(parent, part.encode()).ino
+                parent = (await self.fs.lookup(parent, part.encode())).ino
             except Exception:
                 parent = self.fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
         try:
-            ino = self.fs.lookup(parent, parts[-1].encode()).ino
+            ino = (await self.fs.lookup(parent, parts[-1].encode())).ino
             fh = await self.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
         except Exception:
             fh, row = self.fs.create(parent, parts[-1].encode(), mode,
@@ -69,10 +68,10 @@ class Rig:
         self.fs.release(fh)
         return ino
 
-    def ino(self, path: str) -> int:
+    async def ino(self, path: str) -> int:
         ino = ROOT
         for part in path.split("/"):
-            ino = self.fs.lookup(ino, part.encode()).ino
+            ino = (await self.fs.lookup(ino, part.encode())).ino
         return ino
 
     async def settle(self) -> None:
@@ -92,7 +91,7 @@ async def rig(
     staging = Staging(tmp_path / "staging")
     staging.prepare()
     journal = Journal(staging.root / "journal.db")
-    fs = Filesystem(journal, staging, fetcher=Fetcher(tier, staging))
+    fs = Filesystem(journal, staging, tier=tier)
     fs.start()
     uploader = Uploader(journal, fs.ns, staging, tier, concurrency=4,
                         markers=DEFAULT_COMMIT_MARKERS)
@@ -151,10 +150,10 @@ async def test_dcp_renames_end_with_one_copy(rig: Rig, autojump_clock: trio.abc.
     rig.tier.latency = 0.5
     await rig.write("step_7.tmp/__0_0.distcp", b"shard0")
     await rig.write("step_7.tmp/.metadata.tmp", b"meta")
-    tmp_dir = rig.ino("step_7.tmp")
-    rig.fs.rename(tmp_dir, b".metadata.tmp", tmp_dir, b".metadata")
+    tmp_dir = await rig.ino("step_7.tmp")
+    await rig.fs.rename(tmp_dir, b".metadata.tmp", tmp_dir, b".metadata")
     await trio.sleep(0.7)  # some uploads in flight under the old names
-    rig.fs.rename(ROOT, b"step_7.tmp", ROOT, b"step_7")
+    await rig.fs.rename(ROOT, b"step_7.tmp", ROOT, b"step_7")
     await rig.settle()
     assert set(rig.objects) == {"step_7/", "step_7/__0_0.distcp", "step_7/.metadata"}
     assert rig.objects["step_7/.metadata"].body == b"meta"
@@ -165,13 +164,13 @@ async def test_rename_unlink_overwrite_truncate_reach_the_store(rig: Rig, autoju
     await rig.write("d/b", b"B")
     await rig.write("d/e/c", b"C")
     await rig.settle()
-    rig.fs.rename(ROOT, b"a", ROOT, b"a2")
-    rig.fs.rename(ROOT, b"d", ROOT, b"d2")
+    await rig.fs.rename(ROOT, b"a", ROOT, b"a2")
+    await rig.fs.rename(ROOT, b"d", ROOT, b"d2")
     await rig.write("over", b"old")
     await rig.settle()
     await rig.write("over", b"new content")
-    await rig.fs.setattr(rig.ino("a2"), size=3)
-    rig.fs.unlink(rig.ino("d2"), b"b")
+    await rig.fs.setattr(await rig.ino("a2"), size=3)
+    await rig.fs.unlink(await rig.ino("d2"), b"b")
     await rig.settle()
     assert rig.files() == {"a2": b"AAA", "d2/e/c": b"C", "over": b"new content"}
     assert {k for k in rig.objects if k.endswith("/")} == {"d2/", "d2/e/"}
@@ -179,11 +178,11 @@ async def test_rename_unlink_overwrite_truncate_reach_the_store(rig: Rig, autoju
     await rig.write("x", b"X")
     await rig.write("y", b"Y")
     await rig.settle()
-    rig.fs.rename(ROOT, b"x", ROOT, b"y")
+    await rig.fs.rename(ROOT, b"x", ROOT, b"y")
     await rig.write("p", b"P")
     await rig.write("q", b"Q")
     await rig.settle()
-    rig.fs.rename(ROOT, b"p", ROOT, b"q", RENAME_EXCHANGE)
+    await rig.fs.rename(ROOT, b"p", ROOT, b"q", RENAME_EXCHANGE)
     await rig.settle()
     files = rig.files()
     assert files["y"] == b"X" and "x" not in files
@@ -197,8 +196,8 @@ async def test_rmdir_and_symlink(rig: Rig, autojump_clock: trio.abc.Clock) -> No
     assert rig.objects["empty/"].meta.mode == 0o750
     assert rig.objects["latest"].meta.kind is Kind.SYMLINK
     assert rig.objects["latest"].body == b"step_3"
-    rig.fs.rmdir(ROOT, b"empty")
-    rig.fs.unlink(ROOT, b"latest")
+    await rig.fs.rmdir(ROOT, b"empty")
+    await rig.fs.unlink(ROOT, b"latest")
     await rig.settle()
     assert rig.objects == {}
     assert d.ino
@@ -237,7 +236,7 @@ async def test_unlink_during_upload_leaves_nothing(rig: Rig, autojump_clock: tri
     rig.tier.bandwidth = 100_000
     await rig.write("gone", b"g" * 500_000)
     await trio.sleep(1)
-    rig.fs.unlink(ROOT, b"gone")
+    await rig.fs.unlink(ROOT, b"gone")
     await rig.settle()
     await trio.sleep(10)
     assert rig.objects == {}
@@ -279,9 +278,9 @@ async def test_replay_requeues_staged_and_uploading(
 
 
 async def read_path(rig: Rig, path: str) -> bytes:
-    fh = await rig.fs.open(rig.ino(path), os.O_RDONLY)
+    fh = await rig.fs.open(await rig.ino(path), os.O_RDONLY)
     try:
-        return rig.fs.read(fh, 0, 1 << 30)
+        return await rig.fs.read(fh, 0, 1 << 30)
     finally:
         rig.fs.release(fh)
 
@@ -299,12 +298,12 @@ async def test_full_staging_evicts_then_waits_never_drops(
     assert rig.fs.stall_seconds > 0
     await rig.settle()
     assert rig.files() == datas
-    states = {p: rig.fs.getattr(rig.ino(p)).state for p in datas}
+    states = {p: rig.fs.getattr(await rig.ino(p)).state for p in datas}
     assert State.REMOTE in states.values()  # some local copies were evicted...
     assert rig.fs.space.used <= 1_000_000
     for path, data in datas.items():  # ...and every file still reads back whole
         assert await read_path(rig, path) == data
-    assert rig.fs.getxattr(rig.ino("step_7/model.pt"), b"user.ckptfs.state") == b"committed"
+    assert rig.fs.getxattr(await rig.ino("step_7/model.pt"), b"user.ckptfs.state") == b"committed"
 
 
 async def test_full_staging_and_store_down_gives_enospc(
@@ -324,15 +323,20 @@ async def test_full_staging_and_store_down_gives_enospc(
 async def test_corrupt_store_copy_is_never_served(
     rig: Rig, autojump_clock: trio.abc.Clock
 ) -> None:
-    await rig.write("m.pt", os.urandom(50_000))
+    data = os.urandom(50_000)
+    await rig.write("m.pt", data)
     await rig.settle()
-    ino = rig.ino("m.pt")
+    ino = await rig.ino("m.pt")
     rig.fs.evict(rig.fs.getattr(ino))
     rig.tier.corrupt_reads = True
-    with pytest.raises(errors.ChecksumMismatch):
-        await rig.fs.open(ino, os.O_RDONLY)
-    assert rig.fs.getattr(ino).state is State.REMOTE
-    rig.tier.corrupt_reads = False
     fh = await rig.fs.open(ino, os.O_RDONLY)
-    rig.fs.release(fh)
+    try:
+        with pytest.raises(errors.ChecksumMismatch):
+            await rig.fs.read(fh, 0, 4096)
+        assert rig.fs.getattr(ino).state is State.REMOTE
+        assert rig.fs.fetcher is not None and rig.fs.fetcher.stats.integrity_failures == 2
+        rig.tier.corrupt_reads = False
+        assert await rig.fs.read(fh, 0, 1 << 20) == data
+    finally:
+        rig.fs.release(fh)
     assert rig.fs.getattr(ino).state is State.COMMITTED

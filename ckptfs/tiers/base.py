@@ -23,15 +23,21 @@ Invariants every implementation keeps (tests/test_tier_contract.py checks them):
 from __future__ import annotations
 
 import abc
+import builtins
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 from ckptfs.errors import CkptfsError, StoreUnavailable
 
 # Called with the number of bytes just transferred (progress bars, rates).
 Progress = Callable[[int], None]
+
+
+# Storage classes whose objects must be restored before a GET (GLACIER_IR reads directly).
+ARCHIVE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
 
 
 class Kind(enum.StrEnum):
@@ -61,8 +67,11 @@ class ObjectMeta:
     mtime_ns: int = 0
     uid: int = 0
     gid: int = 0
-    checksum: str | None = None  # "crc32c:<8 hex digits>"
+    checksum: str | None = None  # "crc32c:<8 hex digits>" of the whole object
     target: str | None = None  # symlinks
+    # Per-block CRC32Cs so that a range read can be verified without the whole object
+    # (integrity.py: "<block size>:<base64 of 4-byte big-endian CRCs>").
+    blocks: str | None = None
 
     def to_headers(self) -> dict[str, str]:
         """As S3 user metadata (x-amz-meta-ckptfs-*) or file-tier xattrs."""
@@ -75,6 +84,12 @@ class ObjectMeta:
         }
         if self.checksum:
             headers["ckptfs-checksum"] = self.checksum
+        if self.blocks:
+            headers["ckptfs-blocks"] = self.blocks
+        if self.target is not None:
+            # S3 metadata is ASCII: the target is percent-encoded (its bytes, surrogateescape).
+            headers["ckptfs-target"] = quote(self.target.encode("utf-8", "surrogateescape"),
+                                             safe="/._-~")
         return headers
 
     @classmethod
@@ -96,6 +111,9 @@ class ObjectMeta:
             uid=num("ckptfs-uid"),
             gid=num("ckptfs-gid"),
             checksum=headers.get("ckptfs-checksum"),
+            target=(unquote(headers["ckptfs-target"], errors="surrogateescape")
+                    if "ckptfs-target" in headers else None),
+            blocks=headers.get("ckptfs-blocks"),
         )
 
 
@@ -108,6 +126,14 @@ class ObjectInfo:
     restore_state: str | None = None  # None, "ongoing" or "done" (archive classes)
     # False when a listing gave only key and size (S3): ``head`` tells the rest.
     meta_known: bool = True
+    # Changes whenever the object is rewritten (S3 ETag; a file tier's inode, size and mtime):
+    # an unchanged tag means the metadata known from an earlier ``head`` still holds.
+    etag: str | None = None
+
+    @property
+    def archived(self) -> bool:
+        """Readable only after a restore (GLACIER / DEEP_ARCHIVE not restored yet)."""
+        return self.storage_class in ARCHIVE_CLASSES and self.restore_state != "done"
 
 
 class Tier(abc.ABC):
@@ -150,6 +176,36 @@ class Tier(abc.ABC):
         A file tier lists every directory (a file implies its parents); an object store lists
         only the directory markers that were put.
         """
+
+    async def list_dir(self, prefix: str) -> builtins.list[ObjectInfo]:
+        """The entries directly under ``prefix`` ("" or "a/b/"): files, symlinks, and
+        directories as ``name/`` (a directory exists if anything is under it or its marker
+        does). Keys are relative to the tier like everywhere else. The default filters a
+        recursive listing; stores override it with a one-level listing."""
+        seen: dict[str, ObjectInfo] = {}
+        for info in await self.list(prefix):
+            rest = info.key[len(prefix):]
+            if not rest:
+                continue
+            head, slash, _ = rest.partition("/")
+            if slash:
+                key = prefix + head + "/"
+                if rest == head + "/":
+                    seen[key] = info  # the directory's own marker, with its metadata
+                else:
+                    seen.setdefault(key, ObjectInfo(key, 0, ObjectMeta(Kind.DIRECTORY, 0o755),
+                                                    meta_known=False))
+            else:
+                seen[info.key] = info
+        return [seen[k] for k in sorted(seen)]
+
+    async def restore(self, key: str, days: int) -> None:
+        """Ask for a temporary readable copy of an archived object (S3 RestoreObject)."""
+        raise TierError(f"{self.url}: {key}: this tier has no archive storage classes")
+
+    async def promote(self, key: str) -> None:
+        """Move a restored object back to this tier's storage class, in place."""
+        raise TierError(f"{self.url}: {key}: this tier has no archive storage classes")
 
     @abc.abstractmethod
     async def copy(self, src: str, dst: str) -> None:

@@ -10,6 +10,7 @@ which flips one byte of what ``read_into`` wrote (to prove checksums are checked
 
 from __future__ import annotations
 
+import builtins
 import os
 import random
 import signal
@@ -106,6 +107,18 @@ class FaultyTier(Tier):
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         await self._gate("list")
         return await self.inner.list(prefix)
+
+    async def list_dir(self, prefix: str) -> builtins.list[ObjectInfo]:
+        await self._gate("list")
+        return await self.inner.list_dir(prefix)
+
+    async def restore(self, key: str, days: int) -> None:
+        await self._gate("restore")
+        await self.inner.restore(key, days)
+
+    async def promote(self, key: str) -> None:
+        await self._gate("promote")
+        await self.inner.promote(key)
 
     async def copy(self, src: str, dst: str) -> None:
         await self._gate("copy")

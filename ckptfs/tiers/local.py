@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import secrets
@@ -40,6 +41,7 @@ T = TypeVar("T")
 TMP_MARK = ".ckptfs-tmp."
 CHUNK = 16 * 1024 * 1024
 _XATTR_CHECKSUM = "user.ckptfs.checksum"
+_XATTR_BLOCKS = "user.ckptfs.blocks"
 _TRANSIENT = {errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE, errno.EAGAIN,
               errno.ENOSPC, errno.EDQUOT, errno.EHOSTDOWN, errno.ECONNRESET}
 
@@ -195,6 +197,27 @@ class FileTier(Tier):
         result: list[ObjectInfo] = await self._run(walk)
         return result
 
+    async def list_dir(self, prefix: str) -> builtins.list[ObjectInfo]:
+        directory = self._path(prefix) if prefix else self.root
+
+        def scan() -> list[ObjectInfo]:
+            found = []
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            for entry in entries:
+                if TMP_MARK in entry.name:
+                    continue
+                try:
+                    found.append(_info(Path(entry.path), prefix + entry.name))
+                except FileNotFoundError:
+                    continue  # removed while we scanned
+            return sorted(found, key=lambda i: i.key)
+
+        result: list[ObjectInfo] = await self._run(scan)
+        return result
+
     async def copy(self, src: str, dst: str) -> None:
         src_path, dst_path = self._path(src), self._path(dst)
 
@@ -250,11 +273,14 @@ def _finish(fd: int, meta: ObjectMeta) -> None:
     os.fchmod(fd, stat.S_IMODE(meta.mode))
     if os.geteuid() == 0:
         os.fchown(fd, meta.uid, meta.gid)
-    if meta.checksum:
+    for name, value in ((_XATTR_CHECKSUM, meta.checksum), (_XATTR_BLOCKS, meta.blocks)):
+        if not value:
+            continue
         try:
-            os.setxattr(fd, _XATTR_CHECKSUM, meta.checksum.encode())
+            os.setxattr(fd, name, value.encode())
         except OSError as exc:
-            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.ENOSPC,
+                                 errno.E2BIG):
                 raise
     os.utime(fd, ns=(meta.mtime_ns, meta.mtime_ns))
     os.fsync(fd)
@@ -290,10 +316,11 @@ def _full_copy(src: Path, dst: Path) -> None:
     st = os.stat(src)
     os.chmod(dst, stat.S_IMODE(st.st_mode))
     os.utime(dst, ns=(st.st_mtime_ns, st.st_mtime_ns))
-    try:
-        os.setxattr(dst, _XATTR_CHECKSUM, os.getxattr(src, _XATTR_CHECKSUM))
-    except OSError:
-        pass
+    for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS):
+        try:
+            os.setxattr(dst, name, os.getxattr(src, name))
+        except OSError:
+            pass
 
 
 def _chown(path: Path, meta: ObjectMeta) -> None:
@@ -313,15 +340,24 @@ def _info(path: Path, key: str) -> ObjectInfo:
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(path)
         meta = ObjectMeta(Kind.SYMLINK, 0o777, st.st_mtime_ns, st.st_uid, st.st_gid, None, target)
-        return ObjectInfo(key, len(target), meta)
+        return ObjectInfo(key, len(target), meta, etag=_tag(st))
     if stat.S_ISDIR(st.st_mode):
         meta = ObjectMeta(Kind.DIRECTORY, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid,
                           st.st_gid)
-        return ObjectInfo(key + "/", 0, meta)
+        return ObjectInfo(key + "/", 0, meta, etag=_tag(st))
     try:
         checksum: str | None = os.getxattr(path, _XATTR_CHECKSUM).decode()
     except OSError:
         checksum = None
+    try:
+        blocks: str | None = os.getxattr(path, _XATTR_BLOCKS).decode()
+    except OSError:
+        blocks = None
     meta = ObjectMeta(Kind.FILE, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid, st.st_gid,
-                      checksum)
-    return ObjectInfo(key, st.st_size, meta)
+                      checksum, blocks=blocks)
+    return ObjectInfo(key, st.st_size, meta, etag=_tag(st))
+
+
+def _tag(st: os.stat_result) -> str:
+    # A rewrite is a new inode (tmp + rename); an in-place change moves mtime or ctime.
+    return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}-{st.st_ctime_ns:x}"

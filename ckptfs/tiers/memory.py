@@ -65,12 +65,12 @@ class MemoryTier(Tier):
         obj = self.objects.get(key)
         if obj is None:
             raise ObjectMissing(key)
-        return ObjectInfo(key, len(obj.body), obj.meta)
+        return ObjectInfo(key, len(obj.body), obj.meta, etag=f"{id(obj):x}")
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         await trio.lowlevel.checkpoint()
         return [
-            ObjectInfo(k, len(o.body), o.meta)
+            ObjectInfo(k, len(o.body), o.meta, etag=f"{id(o):x}")
             for k, o in sorted(self.objects.items()) if k.startswith(prefix)
         ]
 

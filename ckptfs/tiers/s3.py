@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 from collections.abc import Callable
@@ -45,7 +46,6 @@ _TRANSIENT_CODES = {
     "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
 }
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
-_ARCHIVE_CLASSES = {"GLACIER", "DEEP_ARCHIVE"}
 
 
 class S3Tier(Tier):
@@ -257,7 +257,50 @@ class S3Tier(Tier):
         if restore:
             state = "ongoing" if 'ongoing-request="true"' in restore else "done"
         return ObjectInfo(key, int(reply.get("ContentLength", 0)), meta,
-                          reply.get("StorageClass", "STANDARD"), state)
+                          reply.get("StorageClass", "STANDARD"), state,
+                          etag=reply.get("ETag"))
+
+    async def list_dir(self, prefix: str) -> builtins.list[ObjectInfo]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = await self._call(lambda: list(paginator.paginate(
+            Bucket=self.bucket, Prefix=self._key(prefix), Delimiter="/")))
+        found: dict[str, ObjectInfo] = {}
+        for page in pages:
+            for common in page.get("CommonPrefixes", []):
+                rel = self._rel(common["Prefix"])
+                found[rel] = ObjectInfo(rel, 0, ObjectMeta(Kind.DIRECTORY, 0o755),
+                                        meta_known=False)
+            for obj in page.get("Contents", []):
+                rel = self._rel(obj["Key"])
+                if rel == prefix or rel.endswith("/"):
+                    continue  # the directory's own marker (or a stray "a//" key)
+                found[rel] = ObjectInfo(rel, int(obj["Size"]), ObjectMeta(),
+                                        obj.get("StorageClass", "STANDARD"), meta_known=False,
+                                        etag=obj.get("ETag"))
+        return [found[k] for k in sorted(found)]
+
+    async def restore(self, key: str, days: int) -> None:
+        from botocore.exceptions import ClientError
+
+        def request() -> None:
+            try:
+                self.client.restore_object(
+                    Bucket=self.bucket, Key=self._key(key),
+                    RestoreRequest={"Days": days,
+                                    "GlacierJobParameters": {"Tier": "Standard"}})
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "RestoreAlreadyInProgress":
+                    raise
+
+        await self._call(request)
+
+    async def promote(self, key: str) -> None:
+        # A copy onto itself that changes the storage class (allowed for a restored object);
+        # metadata is kept (MetadataDirective COPY).
+        full = self._key(key)
+        await self._call(self.client.copy_object, Bucket=self.bucket, Key=full,
+                         CopySource={"Bucket": self.bucket, "Key": full},
+                         StorageClass=self.storage_class, MetadataDirective="COPY")
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -271,7 +314,8 @@ class S3Tier(Tier):
                     continue
                 kind = Kind.DIRECTORY if rel.endswith("/") else Kind.FILE
                 found.append(ObjectInfo(rel, int(obj["Size"]), ObjectMeta(kind=kind),
-                                        obj.get("StorageClass", "STANDARD"), meta_known=False))
+                                        obj.get("StorageClass", "STANDARD"), meta_known=False,
+                                        etag=obj.get("ETag")))
         return found
 
     async def copy(self, src: str, dst: str) -> None:

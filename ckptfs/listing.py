@@ -1,0 +1,330 @@
+"""One namespace for every node: the journal merged with a cached listing of the warm tier.
+
+A directory's entries are the journal's rows, refreshed from a one-level listing of the warm
+tier when the cached listing is older than ``metadata_ttl``. The refresh makes the journal
+agree with the store for every entry that is *clean* here (its committed copy is the remote
+object: state REMOTE or COMMITTED at the same key, not open for writing):
+
+- an entry only in the store is added (files as REMOTE: no local data, fetched on read);
+- a clean entry whose object was rewritten (another node wrote a new version) takes the new
+  size, mode, mtime and checksums, and its local data is dropped;
+- a clean entry whose object is gone (another node deleted it) is removed, unless it was
+  committed after the listing began.
+
+Everything that is not clean (written here and not committed yet, being renamed, open for
+writing) wins over the store: local changes are never undone by a listing.
+
+Invariants:
+- Names from the store that are not a valid single path component (empty, ``.``, ``..``,
+  ``/`` or NUL inside, over 255 bytes) are refused and logged, never mapped into the tree.
+- Keys with a pending deletion (tombstone) or hidden by ``unlink = "local-only"`` do not
+  come back.
+- A listing that fails (store down) leaves the local view as it is: lookups and ``ls`` keep
+  answering from the journal; it is retried at the next access after a short delay.
+- The store never holds up the write path for long: a directory listed before (or created
+  here) whose listing is stale is refreshed in the background, and a lookup waits for that
+  at most ``STALE_WAIT`` before it answers from the journal. Only the first listing of a
+  directory since the mount is waited for in full (a fresh node knows nothing else). The
+  root is listed at mount time.
+- Concurrent refreshes of one directory share one listing. Metadata the listing lacks (S3
+  lists only key, size and tag) is read with HEADs, concurrently, and only for new or changed
+  objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import stat
+import time
+from collections import deque
+from collections.abc import Callable
+
+import trio
+
+from ckptfs.errors import CkptfsError, NotEmpty, StoreUnavailable
+from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.namespace import MAX_NAME, Namespace
+from ckptfs.tiers.base import ARCHIVE_CLASSES, Kind, ObjectInfo, ObjectMissing, Tier, TierError
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_FAILURE = 2.0  # seconds before a failed listing is tried again
+STALE_WAIT = 1.0  # the longest a lookup waits for the refresh of a stale listing
+HEAD_CONCURRENCY = 16
+
+
+def refusal(name: str) -> str | None:
+    """Why ``name`` (one component from a store listing) cannot be an entry, or None."""
+    if not name:
+        return "empty name"
+    if name in (".", ".."):
+        return f"{name!r} is not a name"
+    if "/" in name or "\0" in name:
+        return "contains '/' or NUL"
+    if len(os.fsencode(name)) > MAX_NAME:
+        return f"longer than {MAX_NAME} bytes"
+    return None
+
+
+class Lister:
+    """Keeps directories of the namespace in line with the warm tier."""
+
+    def __init__(
+        self, journal: Journal, ns: Namespace, tier: Tier, *, ttl: float,
+        is_busy: Callable[[int], bool], on_drop: Callable[[Row], None],
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.journal = journal
+        self.ns = ns
+        self.tier = tier
+        self.ttl = ttl
+        self._is_busy = is_busy  # open or being written: never replaced under a reader
+        self._on_drop = on_drop  # frees a file's local data (whole or fetched ranges)
+        self._clock = clock
+        self._fresh_until: dict[int, float] = {}
+        self._listed: set[int] = set()  # listed once since the mount, or created here
+        self._inflight: dict[int, trio.Event] = {}
+        # Where refreshes run so that a lookup can stop waiting for one (the mount's nursery);
+        # without one they run in the caller.
+        self.nursery: trio.Nursery | None = None
+        self._heads = trio.CapacityLimiter(HEAD_CONCURRENCY)
+        self.refused: deque[tuple[str, str]] = deque(maxlen=64)
+        self._refused_seen: set[str] = set()
+        self.listings = 0
+        self.heads = 0
+
+    def invalidate(self, ino: int) -> None:
+        self._fresh_until.pop(ino, None)
+
+    def created(self, ino: int) -> None:
+        """A directory made here: nothing of it can be in the store yet (until the ttl)."""
+        self._listed.add(ino)
+        self._fresh_until[ino] = self._clock() + self.ttl
+
+    async def refresh(self, directory: Row, *, force: bool = False,
+                      wait: float | None = None) -> None:
+        """Bring ``directory``'s entries in line with the store if its listing is stale.
+
+        Waits for the listing at most ``wait`` seconds (default: ``STALE_WAIT`` if the
+        directory was listed before, else until it is done); it goes on in the background.
+        """
+        if not stat.S_ISDIR(directory.mode) or directory.parent is None and \
+                directory.ino != ROOT_INODE:
+            return
+        if not force and self._fresh_until.get(directory.ino, 0.0) > self._clock():
+            return
+        if wait is None:
+            wait = STALE_WAIT if directory.ino in self._listed else math.inf
+        done = self._inflight.get(directory.ino)
+        if done is None:
+            done = self._inflight[directory.ino] = trio.Event()
+            if self.nursery is None:
+                await self._run(directory, done)
+                return
+            self.nursery.start_soon(self._run, directory, done)
+        with trio.move_on_after(wait):
+            await done.wait()
+
+    async def _run(self, directory: Row, done: trio.Event) -> None:
+        try:
+            await self._refresh(directory)
+        except Exception:
+            log.exception("listing of directory inode %d failed", directory.ino)
+        finally:
+            self._listed.add(directory.ino)
+            del self._inflight[directory.ino]
+            done.set()
+
+    async def refresh_tree(self, directory: Row) -> None:
+        """Refresh ``directory`` and every directory below it, waiting for each (before a
+        rename or rmdir, the journal must know every descendant)."""
+        await self.refresh(directory, wait=math.inf)
+        for child in list(self.ns.children(directory.ino, 0)):
+            if stat.S_ISDIR(child.mode):
+                await self.refresh_tree(child)
+
+    async def _refresh(self, directory: Row) -> None:
+        path = self.journal.path_of(directory.ino)
+        if path is None:
+            return
+        prefix = os.fsdecode(path) + "/" if path else ""
+        started = time.time()
+        try:
+            entries = await self.tier.list_dir(prefix)
+        except (StoreUnavailable, TierError) as exc:
+            log.warning("cannot list %s/%s (serving the local view): %s", self.tier.url,
+                        prefix, exc)
+            self._fresh_until[directory.ino] = self._clock() + min(self.ttl, RETRY_AFTER_FAILURE)
+            return
+        self.listings += 1
+        remote = self._accept(prefix, entries)
+        local: dict[bytes, Row] = {}
+        for row in self.ns.children(directory.ino, 0):
+            assert row.name is not None
+            local[row.name] = row
+        heads = [info for name, info in remote.items()
+                 if not info.meta_known and self._needs_meta(local.get(name), info)]
+        details = await self._head_all(heads)
+        # Nothing awaited from here on: the journal changes in one go, and rows read above
+        # may have changed during the listing, so every decision re-reads the cached row.
+        with self.journal.transaction():
+            for name, info in remote.items():
+                info = details.get(info.key, info)
+                found = self.journal.lookup(directory.ino, name)
+                existing = self.ns.get(found.ino) if found is not None else None
+                if existing is None:
+                    if info.meta_known or info.key.endswith("/"):
+                        self._insert(directory, name, info, started)
+                elif not self._same_kind(existing, info):
+                    # A file became a directory (or the reverse) on another node.
+                    if self._clean(existing, self._key_of(prefix, name, existing)) and \
+                            self._remove(directory, name, existing):
+                        self._insert(directory, name, info, started)
+                elif self._clean(existing, info.key) and stat.S_ISREG(existing.mode):
+                    self._maybe_update(existing, info)
+            for name, row in local.items():
+                if name in remote:
+                    continue
+                current = self.journal.lookup(directory.ino, name)
+                if current is None or current.ino != row.ino:
+                    continue
+                row = self.ns.get(row.ino)
+                key = self._key_of(prefix, name, row)
+                if self._clean(row, key) and (row.committed_at or 0.0) < started:
+                    self._remove(directory, name, row)
+        self._fresh_until[directory.ino] = self._clock() + self.ttl
+
+    def _accept(self, prefix: str, entries: list[ObjectInfo]) -> dict[bytes, ObjectInfo]:
+        skip = self.journal.hidden_under(prefix) | self.journal.tombstoned_under(prefix)
+        remote: dict[bytes, ObjectInfo] = {}
+        for info in entries:
+            if not info.key.startswith(prefix):
+                continue
+            name = info.key[len(prefix):]
+            name = name.removesuffix("/")
+            why = refusal(name)
+            if why is None and os.fsencode(name) in remote:
+                why = "a file and a directory of the same name"
+            if why is not None:
+                self._refuse(info.key, why)
+                continue
+            if info.key in skip:
+                continue
+            remote[os.fsencode(name)] = info
+        return remote
+
+    def _refuse(self, key: str, why: str) -> None:
+        self.refused.append((key, why))
+        if key not in self._refused_seen:
+            self._refused_seen.add(key)
+            log.warning("refusing store entry %r of %s: %s", key, self.tier.url, why)
+
+    def _needs_meta(self, row: Row | None, info: ObjectInfo) -> bool:
+        if row is None:
+            return True
+        if info.key.endswith("/"):
+            return False  # a known directory: its marker's metadata does not change it
+        return self._clean(row, info.key) and (info.etag is None or info.etag != row.remote_etag)
+
+    async def _head_all(self, infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
+        found: dict[str, ObjectInfo] = {}
+
+        async def one(info: ObjectInfo) -> None:
+            async with self._heads:
+                self.heads += 1
+                try:
+                    found[info.key] = await self.tier.head(info.key)
+                except ObjectMissing:
+                    # A directory with no marker of its own (only keys below it): defaults.
+                    # A file deleted since the listing: left out until the next listing.
+                    pass
+                except (StoreUnavailable, TierError) as exc:
+                    log.warning("cannot read metadata of %s: %s", info.key, exc)
+
+        async with trio.open_nursery() as nursery:
+            for info in infos:
+                nursery.start_soon(one, info)
+        return found
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def _clean(self, row: Row, key: str) -> bool:
+        """Whether the row is just a view of the remote object at ``key`` (safe to update)."""
+        return (row.remote_key == key and not row.incomplete
+                and row.state in (State.REMOTE, State.COMMITTED)
+                and not self._is_busy(row.ino))
+
+    @staticmethod
+    def _same_kind(row: Row, info: ObjectInfo) -> bool:
+        if info.key.endswith("/"):
+            return stat.S_ISDIR(row.mode)
+        if info.meta.kind is Kind.SYMLINK:
+            return stat.S_ISLNK(row.mode)
+        return stat.S_ISREG(row.mode)
+
+    @staticmethod
+    def _key_of(prefix: str, name: bytes, row: Row) -> str:
+        return prefix + os.fsdecode(name) + ("/" if stat.S_ISDIR(row.mode) else "")
+
+    def _insert(self, directory: Row, name: bytes, info: ObjectInfo, now: float) -> None:
+        meta = info.meta
+        mtime = meta.mtime_ns or int(now * 1e9)
+        target = None
+        if info.key.endswith("/"):
+            mode, state, size = stat.S_IFDIR | (meta.mode & 0o7777 or 0o755), State.COMMITTED, 0
+        elif meta.kind is Kind.SYMLINK:
+            target = os.fsencode(meta.target or "")
+            mode, state, size = stat.S_IFLNK | 0o777, State.COMMITTED, len(target)
+        else:
+            mode, state, size = stat.S_IFREG | (meta.mode & 0o7777), State.REMOTE, info.size
+        row = Row(
+            ino=0, parent=directory.ino, name=name, mode=mode, uid=meta.uid, gid=meta.gid,
+            size=size, atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, target=target,
+            state=state, checksum=meta.checksum, blocks=meta.blocks,
+            storage_class=info.storage_class if info.storage_class in ARCHIVE_CLASSES else None,
+            remote_etag=info.etag, remote_key=info.key, tiers=self.tier.name,
+            committed_at=now,
+        )
+        self.journal.insert(row)
+
+    def _maybe_update(self, row: Row, info: ObjectInfo) -> None:
+        if info.etag is not None and info.etag == row.remote_etag:
+            return
+        meta = info.meta
+        archived = info.storage_class if info.storage_class in ARCHIVE_CLASSES else None
+        if (info.size, meta.checksum) == (row.size, row.checksum) or (
+                not info.meta_known and info.size == row.size):
+            # Same data (our own upload, or a copy): remember the tag and storage class.
+            if (row.remote_etag, row.storage_class) != (info.etag, archived):
+                row.remote_etag, row.storage_class = info.etag, archived
+                self.ns.persist(row)
+            return
+        if not info.meta_known:
+            return  # changed, but its metadata could not be read: next listing
+        log.info("%s: a new version in the store (%d bytes); dropping the local copy",
+                 info.key, info.size)
+        self._on_drop(row)
+        row.state = State.REMOTE
+        row.size = info.size
+        row.mode = stat.S_IFREG | (meta.mode & 0o7777)
+        row.uid, row.gid = meta.uid, meta.gid
+        row.mtime_ns = row.ctime_ns = meta.mtime_ns or time.time_ns()
+        row.checksum, row.blocks = meta.checksum, meta.blocks
+        row.storage_class, row.remote_etag = archived, info.etag
+        row.version += 1
+        self.ns.persist(row)
+
+    def _remove(self, directory: Row, name: bytes, row: Row) -> bool:
+        """Another node removed it: drop it here too (no tombstone: it is gone already)."""
+        try:
+            self.ns.unlink(directory.ino, name, directory=stat.S_ISDIR(row.mode))
+        except NotEmpty:
+            return False  # its entries go first, when it is listed
+        except CkptfsError as exc:
+            log.warning("cannot drop %r (gone from the store): %s", name, exc)
+            return False
+        log.info("%s: gone from the store; removed here too",
+                 os.fsdecode(name))
+        return True

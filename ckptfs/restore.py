@@ -1,0 +1,101 @@
+"""``ckptfs restore PATH``: bring files held only in an archive storage class back to the warm
+tier, with progress.
+
+Steps for every archived file at or under PATH: request a restore (S3 RestoreObject; a
+request already in progress is fine), poll until the temporary copy is readable, then copy
+the object onto itself in the warm tier's storage class (a server-side copy that keeps its
+metadata and checksums), so it stays readable after the temporary copy expires. With
+``local``, the file is also fetched whole to NVMe.
+
+Invariants: the journal learns the new storage class only after the store has it; a file
+that is not archived is left alone (restoring twice is harmless); errors name the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ckptfs.errors import InvalidArgument
+from ckptfs.fs import Filesystem
+from ckptfs.journal import Row, State
+from ckptfs.tiers.base import ARCHIVE_CLASSES
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class RestoreProgress:
+    files: int = 0
+    bytes: int = 0
+    restored_files: int = 0
+    restored_bytes: int = 0
+    waiting: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"files": self.files, "total_bytes": self.bytes,
+                "restored_files": self.restored_files, "restored_bytes": self.restored_bytes,
+                "waiting": self.waiting[:3]}
+
+
+async def archived_files(fs: Filesystem, row: Row) -> list[Row]:
+    """The files at or under ``row`` whose only copy is in an archive storage class."""
+    if fs.lister is not None and stat.S_ISDIR(row.mode):
+        await fs.lister.refresh_tree(row)
+    inos = [row.ino, *fs.journal.descendants(row.ino)] if stat.S_ISDIR(row.mode) else [row.ino]
+    found = []
+    for ino in inos:
+        each = fs.ns.get(ino)
+        if stat.S_ISREG(each.mode) and each.storage_class in ARCHIVE_CLASSES \
+                and each.remote_key is not None:
+            found.append(each)
+    return found
+
+
+async def restore(
+    fs: Filesystem, row: Row, *, days: int, local: bool, report: Report,
+    poll_interval: float = 5.0,
+) -> RestoreProgress:
+    if fs.fetcher is None:
+        raise InvalidArgument("this mount has no warm tier to restore from")
+    tier = fs.fetcher.tier
+    files = await archived_files(fs, row)
+    progress = RestoreProgress(files=len(files), bytes=sum(f.size for f in files))
+    pending: dict[int, Row] = {f.ino: f for f in files}
+    for each in files:
+        assert each.remote_key is not None
+        info = await tier.head(each.remote_key)
+        if info.archived and info.restore_state is None:
+            await tier.restore(each.remote_key, days)
+            log.info("%s: restore from %s requested", each.remote_key, info.storage_class)
+    while pending:
+        progress.waiting = [os.fsdecode(fs.journal.path_of(i) or b"?") for i in pending]
+        await report(progress.as_dict())
+        for ino, each in list(pending.items()):
+            assert each.remote_key is not None
+            info = await tier.head(each.remote_key)
+            if info.archived:
+                continue  # the store is still thawing it
+            if info.storage_class in ARCHIVE_CLASSES:
+                await tier.promote(each.remote_key)  # keep it readable after the restore expires
+            each.storage_class = None
+            fs.ns.persist(each)
+            del pending[ino]
+            progress.restored_files += 1
+            progress.restored_bytes += each.size
+            log.info("%s: restored to %s", each.remote_key, tier.url)
+            if local and each.state is State.REMOTE:
+                await fs.ensure_local(each)
+        if pending:
+            await trio.sleep(poll_interval)
+    progress.waiting = []
+    await report(progress.as_dict())
+    return progress

@@ -1,0 +1,88 @@
+"""The S3 side of real-mount tests: one fresh bucket on the moto server, seen the way a
+reader of the store sees it (the ``bucket`` fixture in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+from tests.s3server import S3Server
+
+MiB = 1024 * 1024
+PART_SIZE = 5 * MiB  # the S3 minimum: anything larger goes multipart
+PREFIX = "run1/"
+
+
+@dataclass
+class Bucket:
+    """One fresh bucket on the moto server, seen the way a reader of the store sees it."""
+
+    server: S3Server
+    name: str
+    client: Any = None
+
+    def __post_init__(self) -> None:
+        self.client = self.server.client()
+
+    def config(self, path: Path, *, faults: dict[str, Any] | None = None,
+               upload_concurrency: int = 4, part_concurrency: int = 4,
+               log_level: str = "info", **settings: Any) -> Path:
+        """A config file: hot tier + this bucket as the warm tier (optionally faulty); other
+        top-level keys (``metadata_ttl="1s"``...) from ``settings``."""
+        lines = [
+            f"upload_concurrency = {upload_concurrency}",
+            f'log_level = "{log_level}"',  # the daemon logs to <staging>/daemon.log
+            *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "",
+            "[[tier]]",
+            'name = "hot"',
+            "",
+            "[[tier]]",
+            'name = "warm"',
+            f'url = "s3://{self.name}/{PREFIX.rstrip("/")}"',
+            f'endpoint_url = "{self.server.endpoint}"',
+            f"part_size = {PART_SIZE}",
+            f"part_concurrency = {part_concurrency}",
+        ]
+        if faults:
+            lines += ["", "[tier.faults]"]
+            lines += [f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}"
+                      for k, v in faults.items()]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def sizes(self, client: Any = None) -> dict[str, int]:
+        """Every object under the prefix (key relative to it -> size), one full listing."""
+        client = client or self.client
+        out: dict[str, int] = {}
+        for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.name, Prefix=PREFIX):
+            for obj in page.get("Contents", []):
+                out[obj["Key"][len(PREFIX):]] = int(obj["Size"])
+        return out
+
+    def get(self, key: str, client: Any = None) -> tuple[bytes, dict[str, str], str]:
+        """Body, user metadata and ETag of ``key``."""
+        reply = (client or self.client).get_object(Bucket=self.name, Key=PREFIX + key)
+        return reply["Body"].read(), reply.get("Metadata", {}), reply["ETag"].strip('"')
+
+    def multipart_uploads(self) -> list[str]:
+        reply = self.client.list_multipart_uploads(Bucket=self.name, Prefix=PREFIX)
+        return [u["Key"] for u in reply.get("Uploads", [])]
+
+    def empty(self) -> None:
+        for u in self.client.list_multipart_uploads(Bucket=self.name).get("Uploads", []):
+            self.client.abort_multipart_upload(Bucket=self.name, Key=u["Key"],
+                                               UploadId=u["UploadId"])
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name):
+            for obj in page.get("Contents", []):
+                self.client.delete_object(Bucket=self.name, Key=obj["Key"])
+        self.client.delete_bucket(Bucket=self.name)
+
+
+def crc(data: bytes) -> str:
+    return f"crc32c:{crc32c.crc32c(data):08x}"

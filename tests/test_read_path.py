@@ -1,0 +1,384 @@
+"""The read path without a mount: two "nodes" (core + uploader) over one memory store.
+
+Node A writes and uploads; node B starts with an empty staging directory and must see and
+read everything through the store: the namespace merge (listing.py) and range fault-in
+(fetch.py). Deterministic: the autojump clock stands in for time (metadata_ttl, backoff).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptfs import errors
+from ckptfs.config import DEFAULT_COMMIT_MARKERS
+from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
+from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.staging import Staging
+from ckptfs.tiers.base import Kind, ObjectMeta
+from ckptfs.tiers.faulty import FaultyTier
+from ckptfs.tiers.memory import MemoryTier, _Object, store_named
+
+BLOCK = 256 * 1024
+TTL = 5.0
+SETTINGS = ReadSettings(metadata_ttl=TTL, fetch_block_size=BLOCK, fetch_concurrency=4,
+                        readahead_bytes=4 * BLOCK)
+
+
+@dataclass
+class Node:
+    fs: Filesystem
+    tier: FaultyTier
+
+    async def resolve(self, path: str) -> Row:
+        row = self.fs.getattr(ROOT_INODE)
+        for part in path.split("/"):
+            row = await self.fs.lookup(row.ino, part.encode())
+        return row
+
+    async def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        parent = ROOT_INODE
+        parts = path.split("/")
+        for part in parts[:-1]:
+            try:
+                parent = (await self.fs.lookup(parent, part.encode())).ino
+            except errors.NotFound:
+                parent = self.fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
+        fh, row = self.fs.create(parent, parts[-1].encode(), mode, os.O_WRONLY | os.O_CREAT,
+                                 ROOT_CALLER)
+        await self.fs.write(fh, 0, data)
+        self.fs.flush(fh)
+        self.fs.release(fh)
+        return row.ino
+
+    async def read(self, path: str, offset: int = 0, size: int = 1 << 40) -> bytes:
+        fh = await self.fs.open((await self.resolve(path)).ino, os.O_RDONLY)
+        try:
+            return await self.fs.read(fh, offset, size)
+        finally:
+            self.fs.release(fh)
+
+    async def names(self, path: str = "") -> list[str]:
+        ino = (await self.resolve(path)).ino if path else ROOT_INODE
+        return sorted(os.fsdecode(r.name or b"") for r in await self.fs.readdir(ino, 0))
+
+    async def sync(self) -> None:
+        listener = self.fs.listener
+        await listener.wait_until_done(listener.last_seq())
+        await listener.wait_idle()  # type: ignore[attr-defined]
+
+
+@asynccontextmanager
+async def node(root: Path, store: str, settings: ReadSettings = SETTINGS
+               ) -> AsyncIterator[Node]:
+    from ckptfs.upload import Uploader
+
+    tier = FaultyTier(MemoryTier("warm", f"memory://{store}", store))
+    staging = Staging(root)
+    staging.prepare()
+    journal = Journal(root / "journal.db")
+    fs = Filesystem(journal, staging, tier=tier, read=settings)
+    fs.start()
+    uploader = Uploader(journal, fs.ns, staging, tier, concurrency=4,
+                        markers=DEFAULT_COMMIT_MARKERS, min_block=settings.fetch_block_size)
+    fs.listener = uploader
+    uploader.requeue_from_journal()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(uploader.run)
+            assert fs.fetcher is not None
+            fs.fetcher.nursery = nursery
+            yield Node(fs, tier)
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.close()
+        journal.close()
+        staging.close()
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    name = f"read-{request.node.name}-{id(tmp_path)}"
+    store_named(name).clear()
+    return name
+
+
+async def test_fresh_node_sees_the_tree_with_its_metadata(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    async with node(tmp_path / "a", store) as a:
+        await a.write("step_1/model.pt", b"m" * 1000, mode=0o600)
+        await a.write("step_1/optim.pt", b"o" * 10)
+        a.fs.mkdir(ROOT_INODE, b"empty", 0o750, ROOT_CALLER)
+        a.fs.symlink(ROOT_INODE, b"latest", b"step_1", ROOT_CALLER)
+        await a.sync()
+        written = {p: a.fs.getattr((await a.resolve(p)).ino)
+                   for p in ("step_1", "step_1/model.pt", "step_1/optim.pt", "empty", "latest")}
+    async with node(tmp_path / "b", store) as b:
+        assert await b.names() == ["empty", "latest", "step_1"]
+        assert await b.names("step_1") == ["model.pt", "optim.pt"]
+        for path, want in written.items():
+            got = b.fs.getattr((await b.resolve(path)).ino)
+            assert (got.mode, got.size, got.uid, got.gid) == (want.mode, want.size, want.uid,
+                                                              want.gid), path
+            if not stat.S_ISDIR(want.mode):
+                assert got.mtime_ns == want.mtime_ns, path
+        assert b.fs.readlink((await b.resolve("latest")).ino) == b"step_1"
+        assert b.fs.getattr((await b.resolve("step_1/model.pt")).ino).state is State.REMOTE
+        assert b.tier.calls["read_into"] == 0  # listing reads no file body
+        assert await b.read("step_1/model.pt") == b"m" * 1000
+
+
+async def test_only_what_is_read_is_fetched_and_kept_across_restart(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    data = os.urandom(40 * BLOCK + 123)
+    async with node(tmp_path / "a", store) as a:
+        await a.write("ckpt.pt", data)
+        await a.sync()
+    no_readahead = ReadSettings(metadata_ttl=TTL, fetch_block_size=BLOCK, readahead_bytes=0)
+    async with node(tmp_path / "b", store, no_readahead) as b:
+        assert await b.read("ckpt.pt", 10 * BLOCK + 5, 100) == data[10 * BLOCK + 5:][:100]
+        assert b.tier.calls["read_into"] == 1 and b.tier.bytes_read == BLOCK
+        # A read across a block boundary fetches the next block only.
+        assert await b.read("ckpt.pt", 11 * BLOCK - 10, 20) == data[11 * BLOCK - 10:][:20]
+        assert b.tier.calls["read_into"] == 2
+        assert await b.read("ckpt.pt", 10 * BLOCK, 2 * BLOCK) == data[10 * BLOCK:12 * BLOCK]
+        assert b.tier.calls["read_into"] == 2  # served locally
+        assert b.fs.space.used == 2 * BLOCK
+    async with node(tmp_path / "b", store, no_readahead) as b:
+        assert b.fs.space.used == 2 * BLOCK
+        assert await b.read("ckpt.pt", 10 * BLOCK, 2 * BLOCK) == data[10 * BLOCK:12 * BLOCK]
+        assert b.tier.calls["read_into"] == 0  # the fetched ranges survived the restart
+        assert await b.read("ckpt.pt") == data  # the rest, then the file is whole and local
+        row = b.fs.getattr((await b.resolve("ckpt.pt")).ino)
+        assert row.state is State.COMMITTED
+        assert b.tier.bytes_read == len(data) - 2 * BLOCK
+        assert b.fs.space.used == len(data)
+
+
+async def test_concurrent_readers_share_one_fetch_and_readahead_runs_ahead(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    data = os.urandom(16 * BLOCK)
+    async with node(tmp_path / "a", store) as a:
+        await a.write("f", data)
+        await a.sync()
+    async with node(tmp_path / "b", store) as b:
+        b.tier.latency = 1.0  # every GET takes a (virtual) second
+        results: list[bytes] = []
+
+        async def reader() -> None:
+            results.append(await b.read("f", 0, 4096))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(reader)
+        assert results == [data[:4096]] * 8
+        await trio.testing.wait_all_tasks_blocked()
+        # Block 0 once for all eight readers, and blocks 1-2 once, ahead of them (a read at
+        # offset 0 counts as the start of a sequential read: a window of two blocks).
+        assert b.tier.calls["read_into"] == 3
+
+        # A sequential reader: each read of 64 KiB; blocks ahead are fetched concurrently.
+        fh = await b.fs.open((await b.resolve("f")).ino, os.O_RDONLY)
+        started = trio.current_time()
+        got = bytearray()
+        while len(got) < len(data):
+            got += await b.fs.read(fh, len(got), 64 * 1024)
+        b.fs.release(fh)
+        assert bytes(got) == data
+        serial = 16 * 1.0  # one GET after another would take this long
+        assert trio.current_time() - started < serial / 2
+        assert b.tier.calls["read_into"] == 16
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reads=st.lists(st.tuples(st.integers(0, 5 * BLOCK), st.integers(1, 3 * BLOCK)),
+                      min_size=1, max_size=12))
+def test_random_range_reads_equal_the_source(tmp_path_factory: pytest.TempPathFactory,
+                                             reads: list[tuple[int, int]]) -> None:
+    data = os.urandom(4 * BLOCK + 777)
+    root = tmp_path_factory.mktemp("ranges")
+    name = f"ranges-{root.name}"
+    store_named(name).clear()
+
+    async def main() -> None:
+        async with node(root / "a", name) as a:
+            await a.write("d/x.bin", data)
+            await a.sync()
+        async with node(root / "b", name) as b:
+            for offset, size in reads:
+                assert await b.read("d/x.bin", offset, size) == data[offset:offset + size]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.1))
+
+
+async def test_corrupt_object_gives_eio_and_deleted_object_estale(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    data = os.urandom(3 * BLOCK)
+    async with node(tmp_path / "a", store) as a:
+        await a.write("good", data)
+        await a.write("bad", data)
+        await a.write("gone", data)
+        await a.sync()
+    objects = store_named(store)
+    # Rewritten behind ckptfs's back: other bytes, the same metadata.
+    corrupt = bytearray(data)
+    corrupt[BLOCK + 17] ^= 0x01
+    objects["bad"] = _Object(bytes(corrupt), objects["bad"].meta)
+    async with node(tmp_path / "b", store) as b:
+        assert await b.read("bad", 0, 100) == data[:100]  # block 0 is intact
+        with pytest.raises(errors.ChecksumMismatch):
+            await b.read("bad", BLOCK, 100)
+        assert b.fs.fetcher is not None and b.fs.fetcher.stats.integrity_failures == 2
+        assert any("bad" in message for _, message in b.fs.fetcher.stats.errors)
+        ino = (await b.resolve("gone")).ino
+        del objects["gone"]
+        fh = await b.fs.open(ino, os.O_RDONLY)
+        with pytest.raises(errors.ObjectGone, match="deleted"):
+            await b.fs.read(fh, 0, 10)
+        b.fs.release(fh)
+        assert await b.read("good") == data
+
+
+async def test_whole_file_checksum_guards_objects_without_block_sums(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    import crc32c
+
+    data = os.urandom(2 * BLOCK)
+    objects = store_named(store)
+    meta = ObjectMeta(Kind.FILE, 0o644, 1, 0, 0, f"crc32c:{crc32c.crc32c(data):08x}")
+    objects["plain"] = _Object(data[:-1] + b"\0", meta)  # no block sums; last byte wrong
+    async with node(tmp_path / "b", store) as b:
+        with pytest.raises(errors.ChecksumMismatch):
+            await b.read("plain")
+        objects["plain"] = _Object(data, meta)
+        assert await b.read("plain") == data
+
+
+async def test_changes_on_another_node_show_after_the_ttl(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    async with node(tmp_path / "a", store) as a, node(tmp_path / "b", store) as b:
+        await a.write("old", b"1")
+        await a.write("keep", b"2")
+        await a.sync()
+        assert await b.names() == ["keep", "old"]
+        await a.fs.unlink(ROOT_INODE, b"old")
+        ino = (await a.resolve("keep")).ino
+        fh = await a.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+        await a.fs.write(fh, 0, b"version 2")
+        a.fs.release(fh)
+        await a.write("new", b"3")
+        await a.sync()
+        assert await b.names() == ["keep", "old"]  # cached for metadata_ttl
+        await trio.sleep(TTL + 1)
+        assert await b.names() == ["keep", "new"]
+        assert await b.read("keep") == b"version 2"
+        with pytest.raises(errors.NotFound):
+            await b.resolve("old")
+
+
+async def test_negative_lookups_are_cached(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    async with node(tmp_path / "b", store) as b:
+        for _ in range(5):
+            with pytest.raises(errors.NotFound):
+                await b.resolve("nothing")
+        assert b.tier.calls["list"] == 1
+        store_named(store)["nothing"] = _Object(b"x", ObjectMeta())
+        await trio.sleep(TTL + 1)
+        assert (await b.resolve("nothing")).size == 1
+
+
+async def test_unsafe_names_from_the_store_are_refused(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    objects = store_named(store)
+    for key in ("../x", "a/../../b", "c/" + "n" * 300, "d//e", "ok/f", "ok/./g"):
+        objects[key] = _Object(b"data", ObjectMeta())
+    async with node(tmp_path / "b", store) as b:
+        names = await b.names()
+        assert ".." not in names and "" not in names
+        assert await b.names("ok") == ["f"]
+        assert await b.names("c") == []
+        assert await b.names("d") == []
+        assert await b.names("a") == []
+        assert b.fs.lister is not None
+        refused = {key for key, _ in b.fs.lister.refused}
+        assert {"../", "a/../", "c/" + "n" * 300, "d//", "ok/./"} <= refused
+    assert "refusing store entry" in caplog.text
+
+
+async def test_local_only_unlink_hides_the_path_but_keeps_the_object(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    async with node(tmp_path / "a", store) as a:
+        a.fs.unlink_remote = False
+        await a.write("step_1/m.pt", b"x")
+        await a.sync()
+        await a.fs.unlink((await a.resolve("step_1")).ino, b"m.pt")
+        await trio.sleep(TTL + 1)
+        assert await a.names("step_1") == []
+        assert "step_1/m.pt" in store_named(store)
+        await a.write("step_1/m.pt", b"new")  # the path is usable again
+        await a.sync()
+        await trio.sleep(TTL + 1)
+        assert await a.names("step_1") == ["m.pt"]
+        assert await a.read("step_1/m.pt") == b"new"
+
+
+async def test_remote_directory_rename_moves_every_descendant(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    async with node(tmp_path / "a", store) as a:
+        for i in range(3):
+            await a.write(f"run/step_{i}/shard", bytes([i]) * 10)
+        await a.sync()
+    async with node(tmp_path / "b", store) as b:
+        run = await b.resolve("run")  # only the top directory is listed so far
+        await b.fs.rename(ROOT_INODE, b"run", ROOT_INODE, b"run.old")
+        await b.sync()
+        keys = sorted(k for k, o in store_named(store).items() if o.meta.kind is Kind.FILE)
+        assert keys == [f"run.old/step_{i}/shard" for i in range(3)]
+        assert await b.read("run.old/step_2/shard") == b"\2" * 10
+        assert run.ino == (await b.resolve("run.old")).ino
+        with pytest.raises(errors.NotEmpty):
+            await b.fs.rmdir(ROOT_INODE, b"run.old")
+
+
+async def test_writing_a_remote_file_fetches_it_first_truncating_does_not(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    data = os.urandom(3 * BLOCK)
+    async with node(tmp_path / "a", store) as a:
+        await a.write("f", data)
+        await a.write("g", data)
+        await a.sync()
+    async with node(tmp_path / "b", store) as b:
+        fh = await b.fs.open((await b.resolve("f")).ino, os.O_RDWR)
+        await b.fs.write(fh, 0, b"HEAD")
+        b.fs.release(fh)
+        assert b.tier.bytes_read == len(data)
+        fh = await b.fs.open((await b.resolve("g")).ino, os.O_WRONLY | os.O_TRUNC)
+        await b.fs.write(fh, 0, b"short")
+        b.fs.release(fh)
+        assert b.tier.bytes_read == len(data)  # g was not downloaded
+        await b.sync()
+        assert store_named(store)["f"].body == b"HEAD" + data[4:]
+        assert store_named(store)["g"].body == b"short"
