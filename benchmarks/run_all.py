@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where run_all[.quick].json/.png go")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp"),
                    help="temp files, staging dirs and stores go in a fresh dir under here")
+    p.add_argument("--replot", type=Path, metavar="JSON",
+                   help="only redraw the PNG (next to it) from a run_all JSON, run nothing")
     p.add_argument("--stem", help="name of the result files [run_all, or run_all.quick]")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
     p.add_argument("--ckptfs-src", type=Path, default=HERE.parent,
@@ -216,6 +218,16 @@ def make_plot(results: dict[str, Any], modules: dict[str, Any], path: Path,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        results = data["results"]
+        modules = {q: importlib.import_module(QUESTIONS[q]) for q in results}
+        info = data["machine"]
+        quick = data["options"].get("quick")
+        make_plot(results, modules, args.replot.with_suffix(".png"),
+                  f"ckptfs run_all ({'quick' if quick else 'full'}) {info['date']}, "
+                  f"{info['nproc']} CPUs, shared machine")
+        return 0
     from questions import common
 
     common.CKPTFS_SRC = args.ckptfs_src.resolve()

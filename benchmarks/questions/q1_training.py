@@ -204,4 +204,5 @@ def plot(ax: Any, r: dict[str, Any]) -> None:
     ax.set_ylabel("seconds")
     ax.set_title(f"Q1 {r['ckpts']} x torch.save {r['state_dict_bytes'] / MiB:.0f} MiB, "
                  f"store {r['store_bw'] / 1e6:.0f} MB/s", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_ylim(top=max(blocked + durable) * 1.3)  # room for the legend
+    ax.legend(fontsize=7, loc="upper left")

@@ -92,4 +92,6 @@ def plot(ax: Any, r: dict[str, Any]) -> None:
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("seconds blocked")
     ax.set_title(f"Q4 DCP {r['mib']} MiB", fontsize=9)
-    ax.legend(fontsize=7)
+    top = max(r["save"]["blocked_s"][n] for n in names)
+    ax.set_ylim(top=top * 1.3)  # room for the legend
+    ax.legend(fontsize=7, loc="upper left")
