@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import os
 import time
@@ -35,7 +36,7 @@ from ckptfs.errors import ChecksumMismatch, ObjectGone
 from ckptfs.integrity import BlockSums, fd_checksum, range_crc
 from ckptfs.journal import Journal, Row
 from ckptfs.staging import Staging
-from ckptfs.tiers.base import ObjectMissing, Tier
+from ckptfs.tiers.base import LocalWriteFailed, ObjectMissing, Tier
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Fetcher:
     def __init__(
         self, tier: Tier, staging: Staging, journal: Journal, *, block_size: int = 8 << 20,
         concurrency: int = 8, readahead: int = 64 << 20, reserve: Reserve | None = None,
-        give_back: Callable[[int], None] | None = None,
+        give_back: Callable[[int], None] | None = None, make_room: Reserve | None = None,
     ) -> None:
         self.tier = tier
         self.staging = staging
@@ -105,6 +106,7 @@ class Fetcher:
         self._limiter = trio.CapacityLimiter(concurrency)
         self._reserve = reserve
         self._give_back = give_back
+        self._make_room = make_room  # a local write hit a full disk despite the reservation
         self._ranges: dict[int, RangeSet] = {}
         self._inflight: dict[tuple[int, int], _Inflight] = {}
         self._generation: dict[int, int] = {}
@@ -260,12 +262,7 @@ class Fetcher:
             fd = self.staging.acquire(row.ino)
             try:
                 for attempt in (1, 2):
-                    async with self._limiter:
-                        try:
-                            got = await self.tier.read_into(key, start, length, fd, start)
-                        except ObjectMissing:
-                            self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
-                            raise ObjectGone(f"{key} was deleted from {self.tier.url}") from None
+                    got = await self._read(key, start, length, fd)
                     self.stats.gets += 1
                     self.stats.fetched_bytes += got
                     self.stats.recent.append((time.monotonic(), got))
@@ -303,6 +300,21 @@ class Fetcher:
         finally:
             if not recorded and self._give_back:
                 self._give_back(length)
+
+    async def _read(self, key: str, start: int, length: int, fd: int) -> int:
+        for attempt in (1, 2):
+            try:
+                async with self._limiter:
+                    return await self.tier.read_into(key, start, length, fd, start)
+            except ObjectMissing:
+                self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
+                raise ObjectGone(f"{key} was deleted from {self.tier.url}") from None
+            except LocalWriteFailed as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == 2 \
+                        or self._make_room is None:
+                    raise OSError(exc.errno, str(exc)) from None
+                await self._make_room(length)
+        raise AssertionError("unreachable")
 
     async def _check_replaced(self, row: Row) -> None:
         """After two bad reads: a new version written by another node is not corruption."""

@@ -178,6 +178,7 @@ class Filesystem:
         self.mountpoint = ""  # for messages that name a path the user can type
         self.write_stall_timeout = write_stall_timeout
         self.stall_seconds = 0.0
+        self.bytes_written = 0  # through write() since the mount (metrics)
         # unlink = "local-only" leaves remote copies to retention; fsync = "remote" waits for
         # the store (docs/SEMANTICS.md).
         self.unlink_remote = unlink_remote
@@ -195,9 +196,11 @@ class Filesystem:
                 tier, staging, journal, block_size=read.fetch_block_size,
                 concurrency=read.fetch_concurrency, readahead=read.readahead_bytes,
                 reserve=self._reserve, give_back=self.space.give_back,
+                make_room=self._make_room,
             )
             self.lister = Lister(journal, self.ns, tier, ttl=read.metadata_ttl,
-                                 is_busy=self._busy, on_drop=self._drop_data)
+                                 is_busy=self._busy, on_drop=self._drop_data,
+                                 on_lost=self._upload_again)
         self.daemon_info: dict[str, object] = {}
 
     # -- start ----------------------------------------------------------------------------
@@ -248,6 +251,17 @@ class Filesystem:
         else:
             self.staging.unlink(row.ino)
             self.space.give_back(row.size)
+
+    def _upload_again(self, row: Row) -> None:
+        """The store lost the committed copy of an entry written here: upload it again."""
+        row.remote_key = None
+        row.tiers = ""
+        if stat.S_ISREG(row.mode):
+            self._mark_staged(row)
+        else:
+            row.state = State.STAGED
+            self.listener.inode_changed(row.ino)
+        self.ns.persist(row)
 
     def _busy(self, ino: int) -> bool:
         return bool(self.ns.open_count(ino) or self._writers.get(ino))
@@ -638,9 +652,11 @@ class Filesystem:
             # The disk filled up behind our accounting (other users of the disk): make room
             # the same way, then try once more.
             self.space.give_back(max(growth, 0))
+            self.space.remeasure()
             await self._reserve(len(data), force_evict=True)
             written = self.staging.pwrite(handle.fd, data, offset)
         self.ns.note_write(row, offset + written)
+        self.bytes_written += written
         return written
 
     # -- space ----------------------------------------------------------------------------
@@ -666,6 +682,13 @@ class Filesystem:
             self.stall_seconds += trio.current_time() - started
         raise StagingFull(f"no room for {nbytes} bytes in {self.staging.root} after "
                           f"{self.write_stall_timeout:.0f}s")
+
+    async def _make_room(self, nbytes: int) -> None:
+        """A write of ``nbytes`` already accounted for hit a full disk: measure again and
+        evict at least that much (or wait, then StagingFull, as any writer would)."""
+        self.space.remeasure()
+        await self._reserve(nbytes, force_evict=True)
+        self.space.give_back(nbytes)
 
     def _evict(self, nbytes: int) -> int:
         """Drop local copies of committed files, oldest first, until ``nbytes`` are freed

@@ -376,6 +376,18 @@ class Journal:
         return {str(r[0]) for r in self._db.execute(
             "SELECT key FROM hidden WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))}
 
+    def claimed_under(self, prefix: str) -> dict[str, int]:
+        """Keys under ``prefix`` that a live inode holds or is uploading to -> that inode.
+        A listing must not take such a key for a new entry: its holder may be moving away
+        from it (a rename not yet carried to the store)."""
+        found: dict[str, int] = {}
+        for column in ("remote_key", "uploading_key"):
+            for key, ino in self._db.execute(
+                    f"SELECT {column}, ino FROM inodes WHERE parent IS NOT NULL AND"
+                    f" substr({column}, 1, ?) = ?", (len(prefix), prefix)):
+                found.setdefault(str(key), int(ino))
+        return found
+
     def tombstoned_under(self, prefix: str) -> set[str]:
         """Keys under ``prefix`` with a deletion still pending (they must not reappear)."""
         return {str(r[0]) for r in self._db.execute(

@@ -8,8 +8,11 @@ object: state REMOTE or COMMITTED at the same key, not open for writing):
 - an entry only in the store is added (files as REMOTE: no local data, fetched on read);
 - a clean entry whose object was rewritten (another node wrote a new version) takes the new
   size, mode, mtime and checksums, and its local data is dropped;
-- a clean entry whose object is gone (another node deleted it) is removed, unless it was
-  committed after the listing began.
+- a clean entry known from the store whose object is gone (another node deleted it) is
+  removed, unless it was committed after the listing began. An entry written *here* whose
+  object is gone is never removed on that ground: its local copy is uploaded again
+  (``on_lost``), and an evicted one is reported lost. A listing never deletes local data
+  that the store does not hold.
 
 Everything that is not clean (written here and not committed yet, being renamed, open for
 writing) wins over the store: local changes are never undone by a listing.
@@ -17,8 +20,8 @@ writing) wins over the store: local changes are never undone by a listing.
 Invariants:
 - Names from the store that are not a valid single path component (empty, ``.``, ``..``,
   ``/`` or NUL inside, over 255 bytes) are refused and logged, never mapped into the tree.
-- Keys with a pending deletion (tombstone) or hidden by ``unlink = "local-only"`` do not
-  come back.
+- Keys with a pending deletion (tombstone), hidden by ``unlink = "local-only"``, or held by
+  another entry (a rename not carried to the store yet) do not come back as new entries.
 - A listing that fails (store down) leaves the local view as it is: lookups and ``ls`` keep
   answering from the journal; it is retried at the next access after a short delay.
 - The store never holds up the write path for long: a directory listed before (or created
@@ -74,7 +77,7 @@ class Lister:
     def __init__(
         self, journal: Journal, ns: Namespace, tier: Tier, *, ttl: float,
         is_busy: Callable[[int], bool], on_drop: Callable[[Row], None],
-        clock: Callable[[], float] = trio.current_time,
+        on_lost: Callable[[Row], None], clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.journal = journal
         self.ns = ns
@@ -82,6 +85,7 @@ class Lister:
         self.ttl = ttl
         self._is_busy = is_busy  # open or being written: never replaced under a reader
         self._on_drop = on_drop  # frees a file's local data (whole or fetched ranges)
+        self._on_lost = on_lost  # an entry written here lost its object: upload it again
         self._clock = clock
         self._fresh_until: dict[int, float] = {}
         self._listed: set[int] = set()  # listed once since the mount, or created here
@@ -164,6 +168,11 @@ class Lister:
         for row in self.ns.children(directory.ino, 0):
             assert row.name is not None
             local[row.name] = row
+        for key, ino in self.journal.claimed_under(prefix).items():
+            name = os.fsencode(key[len(prefix):].removesuffix("/"))
+            held = local.get(name)
+            if name in remote and (held is None or held.ino != ino):
+                del remote[name]  # the key of an entry moving away from it, not a new one
         heads = [info for name, info in remote.items()
                  if not info.meta_known and self._needs_meta(local.get(name), info)]
         details = await self._head_all(heads)
@@ -192,8 +201,15 @@ class Lister:
                     continue
                 row = self.ns.get(row.ino)
                 key = self._key_of(prefix, name, row)
-                if self._clean(row, key) and (row.committed_at or 0.0) < started:
+                if not self._clean(row, key) or (row.committed_at or 0.0) >= started:
+                    continue
+                if row.closed_at is None or row.state is State.REMOTE:
+                    # Known from the store (or no local data left): it is gone everywhere.
                     self._remove(directory, name, row)
+                else:
+                    log.warning("%s: committed here but missing from %s (deleted behind "
+                                "ckptfs?); uploading the local copy again", key, self.tier.url)
+                    self._on_lost(row)
         self._fresh_until[directory.ino] = self._clock() + self.ttl
 
     def _accept(self, prefix: str, entries: list[ObjectInfo]) -> dict[bytes, ObjectInfo]:

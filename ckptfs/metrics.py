@@ -56,9 +56,8 @@ class _DaemonCollector(Collector):
                                  labels=["version", "mountpoint", "warm_tier"])
         info.add_metric([__version__, str(control.mountpoint), control.tier_url], 1)
         yield info
-        written = getattr(fs, "bytes_written", None)
-        if written is not None:  # kept by the filesystem core when it counts writes
-            yield counter("ckptfs_written_bytes", "Bytes written by applications.", written)
+        yield counter("ckptfs_written_bytes", "Bytes written by applications.",
+                      fs.bytes_written)
         yield counter("ckptfs_uploaded_bytes", "Bytes uploaded to the warm tier.",
                       stats.uploaded_bytes)
         yield counter("ckptfs_uploaded_files", "Files uploaded to the warm tier.",

@@ -265,6 +265,11 @@ class SpaceBudget:
         self.used += nbytes
         return True
 
+    def remeasure(self) -> None:
+        """The disk filled up behind the accounting (other users of the disk, space an
+        unlinked file still held): trust statvfs again."""
+        self._measure()
+
     def give_back(self, nbytes: int) -> None:
         """``nbytes`` of local data were deleted, evicted or truncated away."""
         self.used = max(0, self.used - nbytes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import builtins
 import enum
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,27 @@ class TierError(CkptfsError):
 
 class ObjectMissing(CkptfsError):
     """The key does not exist on the tier."""
+
+
+class LocalWriteFailed(CkptfsError):
+    """Writing fetched bytes into the local (staging) file failed: not the store's fault."""
+
+    def __init__(self, errno: int | None, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+def write_local(fd: int, data: bytes | memoryview, offset: int) -> int:
+    """pwrite all of ``data`` into the reader's file at ``offset`` (``read_into`` helper):
+    a local error (a full staging disk) is a LocalWriteFailed, never a store error."""
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as exc:
+        raise LocalWriteFailed(exc.errno, f"writing fetched data locally: {exc}") from exc
+    return done
 
 
 class ObjectArchived(CkptfsError):

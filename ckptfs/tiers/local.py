@@ -35,6 +35,7 @@ from ckptfs.tiers.base import (
     Progress,
     Tier,
     TierError,
+    write_local,
 )
 
 T = TypeVar("T")
@@ -163,7 +164,7 @@ class FileTier(Tier):
                     chunk = os.pread(src, min(CHUNK, length - done), offset + done)
                     if not chunk:
                         break
-                    done += os.pwrite(fd, chunk, fd_offset + done)
+                    done += write_local(fd, chunk, fd_offset + done)
                 return done
             finally:
                 os.close(src)

@@ -6,13 +6,20 @@ Tiers with the same name share one store (a module-level registry), so a test ca
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
-from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta, ObjectMissing, Progress, Tier
+from ckptfs.tiers.base import (
+    Kind,
+    ObjectInfo,
+    ObjectMeta,
+    ObjectMissing,
+    Progress,
+    Tier,
+    write_local,
+)
 
 
 @dataclass
@@ -58,7 +65,7 @@ class MemoryTier(Tier):
         if obj is None:
             raise ObjectMissing(key)
         chunk = obj.body[offset:offset + length]
-        return os.pwrite(fd, chunk, fd_offset)
+        return write_local(fd, chunk, fd_offset)
 
     async def head(self, key: str) -> ObjectInfo:
         await trio.lowlevel.checkpoint()

@@ -36,6 +36,7 @@ from ckptfs.tiers.base import (
     Progress,
     Tier,
     TierError,
+    write_local,
 )
 
 log = logging.getLogger(__name__)
@@ -234,11 +235,7 @@ class S3Tier(Tier):
                                            Range=f"bytes={offset}-{offset + length - 1}")
             done = 0
             for chunk in reply["Body"].iter_chunks(1024 * 1024):
-                view = memoryview(chunk)
-                while view:
-                    n = os.pwrite(fd, view, fd_offset + done)
-                    view = view[n:]
-                    done += n
+                done += write_local(fd, chunk, fd_offset + done)
             return done
 
         result: int = await self._call(fetch)
