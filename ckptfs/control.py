@@ -34,6 +34,28 @@ from ckptfs.upload import Uploader
 
 log = logging.getLogger(__name__)
 SOCKET_NAME = "control.sock"
+_SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path, NUL excluded)
+
+
+def socket_path(staging_root: Path) -> Path:
+    """Where the control socket of a mount with this staging directory lives.
+
+    In the staging directory (0700, so owner-only) unless that path is too long for a unix
+    socket; then in a 0700 runtime directory, named by a hash of the staging directory."""
+    path = staging_root / SOCKET_NAME
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        return path
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(os.fsencode(staging_root.resolve())).hexdigest()[:24]
+    base = Path("/run") if os.geteuid() == 0 else Path(
+        os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    run_dir = base / f"ckptfs-{os.geteuid()}"
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    if run_dir.stat().st_uid != os.geteuid() or run_dir.stat().st_mode & 0o077:
+        raise PermissionError(f"{run_dir} is not private to this user")
+    return run_dir / f"{digest}.sock"
 PROGRESS_INTERVAL = 0.25
 RATE_WINDOW = 60.0  # seconds over which upload and fetch rates are averaged
 
@@ -47,7 +69,7 @@ class ControlServer:
         self.mountpoint = mountpoint
         self.tier_url = tier_url
         self.config = config
-        self.path = fs.staging.root / SOCKET_NAME
+        self.path = socket_path(fs.staging.root)
         self.started = time.time()
         # (monotonic time, bytes fetched so far), sampled every second, for the fetch rate.
         self._fetch_samples: deque[tuple[float, int]] = deque(maxlen=int(RATE_WINDOW) + 1)

@@ -30,7 +30,7 @@ def gather(mountpoint: Path | None, config_file: Path | None, apply: bool) -> di
         entry, _ = client.locate(mountpoint)
         return _ask(client.control_socket(entry.mountpoint), payload, str(mountpoint))
     config = load_config(config_file)
-    sock = config.staging_dir / control.SOCKET_NAME
+    sock = control.socket_path(config.staging_dir)
     if sock.exists():
         try:
             return _ask(sock, payload, str(config.staging_dir))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mounter
+from tests.mounting import Mounter, ckptfs
 
 pytestmark = pytest.mark.mount
 
@@ -26,3 +28,14 @@ def test_write_remount_read(mounter: Mounter) -> None:
     assert os.readlink(m.path / "latest") == "step_1"
     assert sorted(os.listdir(m.path)) == ["latest", "step_1"]
     assert m.state("step_1/model.pt") == "committed"
+
+
+def test_long_staging_path(mounter: Mounter, tmp_path: Path) -> None:
+    """A staging path too long for a unix socket still gets a control socket (elsewhere)."""
+    staging = tmp_path / ("s" * 60) / ("t" * 60)
+    m = mounter("long", staging=staging)
+    (m.path / "f").write_bytes(b"data")
+    status = json.loads(ckptfs("status", m.path, "--json").stdout)
+    assert status["staging_dir"] == str(staging)
+    ckptfs("sync", m.path)
+    assert (m.store / "f").read_bytes() == b"data"
