@@ -321,3 +321,28 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
                 out[rel] = ("file", stat.S_IMODE(st_.st_mode), st_.st_size, st_.st_mtime_ns)
     assert len(out) > 0
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Names from the store that are not safe path components (issue #6, item 5)
+
+
+def test_unsafe_names_in_the_store_never_leave_the_mount(mounter: Mounter, bucket: Bucket,
+                                                         tmp_path: Path) -> None:
+    bad = ["../x_escaped", "a/../../b_escaped", "c/" + "n" * 300, "d//e", "ok/./f"]
+    for key in [*bad, "ok/g"]:
+        bucket.client.put_object(Bucket=bucket.name, Key=PREFIX + key, Body=b"evil")
+    before = sorted(p.name for p in tmp_path.parent.iterdir())
+    b = mounter("b", config=config(bucket, tmp_path))
+    seen = snapshot(b.path)
+    assert seen == {"a": ("dir", 0o755), "c": ("dir", 0o755), "d": ("dir", 0o755),
+                    "ok": ("dir", 0o755), "ok/g": ("file", 0o644, 4, seen["ok/g"][3])}
+    assert (b.path / "ok" / "g").read_bytes() == b"evil"
+    log = daemon_log(b)
+    for key in ("../", "a/../", "c/" + "n" * 300, "d//", "ok/./"):
+        assert f"refusing store entry {key!r}" in log, key
+    refused = status(b)["fetch"]["errors"]
+    assert any("'../'" in line for line in refused)
+    assert sorted(p.name for p in tmp_path.parent.iterdir()) == before
+    b.umount()
+    assert not list(tmp_path.parent.rglob("*_escaped"))
