@@ -98,6 +98,11 @@ class NeedsRestore(CkptfsError):
     """The file is only in an archive storage class: ``ckptfs restore`` must bring it back."""
 
 
+class StoreRefused(CkptfsError):
+    """A permanent store error (bad credentials, missing bucket, invalid key): not retried
+    by readers either (EIO)."""
+
+
 class JournalCorrupt(CkptfsError):
     """The journal cannot be opened or does not match what this version expects."""
 
@@ -120,6 +125,7 @@ _ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (StoreUnavailable, errno.EIO),
     (ChecksumMismatch, errno.EIO),
     (ObjectGone, errno.ESTALE),
+    (StoreRefused, errno.EIO),
     # "Try again later": the restore has been requested and takes hours in a real store.
     (NeedsRestore, errno.EAGAIN),
     (JournalCorrupt, errno.EIO),

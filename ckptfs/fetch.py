@@ -15,8 +15,12 @@ Invariants:
 - Concurrent readers of one block share one fetch (and its outcome); at most
   ``concurrency`` range GETs are in flight for the whole mount.
 - Every fetched byte is reserved in the space budget first and given back when dropped.
-- ``drop(ino)`` bumps the inode's generation: a fetch that was in flight for an older
-  generation (the file was evicted, replaced or deleted meanwhile) records nothing.
+- ``drop``/``reset`` bump the inode's generation. A fetch checks it (and that the file is
+  still REMOTE) before it writes and before it records: one from an older generation (the
+  file was truncated, evicted or replaced meanwhile) records nothing, and readers waiting on
+  it look again instead of taking it for success. Fetches in flight are registered in
+  ``_inflight`` from the moment they are scheduled, so ``settle`` waits for every one.
+- A cancelled fetch never hands its ``Cancelled`` to another task: waiters retry.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import trio
 
 from ckptfs.errors import ChecksumMismatch, ObjectGone
 from ckptfs.integrity import BlockSums, fd_checksum, range_crc
-from ckptfs.journal import Journal, Row
+from ckptfs.journal import Journal, Row, State
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import LocalWriteFailed, ObjectMissing, Tier
 
@@ -67,6 +71,15 @@ class RangeSet:
         i = bisect.bisect_right(self.starts, start) - 1
         return i >= 0 and self.stops[i] >= stop
 
+    def covered_within(self, start: int, stop: int) -> int:
+        """How many bytes of [start, stop) are covered."""
+        i = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        total = 0
+        while i < len(self.starts) and self.starts[i] < stop:
+            total += max(0, min(stop, self.stops[i]) - max(start, self.starts[i]))
+            i += 1
+        return total
+
     def total(self) -> int:
         return sum(b - a for a, b in zip(self.starts, self.stops, strict=True))
 
@@ -77,7 +90,8 @@ class RangeSet:
 @dataclass
 class _Inflight:
     done: trio.Event = field(default_factory=trio.Event)
-    error: BaseException | None = None
+    error: Exception | None = None
+    generation: int = -1
 
 
 @dataclass
@@ -161,6 +175,12 @@ class Fetcher:
             self._give_back(freed)
         return freed
 
+    def forget(self, ino: int) -> None:
+        """A new version of the file begins here: fetches of the old one record nothing."""
+        self._generation[ino] = self._generation.get(ino, 0) + 1
+        if self._ranges.get(ino) or self.journal.ranges(ino):
+            self.reset(ino)
+
     def reset(self, ino: int) -> None:
         """Forget the fetched ranges of ``ino`` but keep its data file (a handle has it open):
         it is fetched again over the old bytes."""
@@ -186,78 +206,118 @@ class Fetcher:
 
     # -- fetching ---------------------------------------------------------------------------
 
+    def generation(self, ino: int) -> int:
+        return self._generation.get(ino, 0)
+
+    def covers(self, row: Row, offset: int, length: int) -> bool:
+        return self.ranges(row.ino).covers(offset, min(offset + length, row.size))
+
     async def ensure(self, row: Row, offset: int, length: int) -> None:
-        """Make ``[offset, offset + length)`` of ``row`` local (ChecksumMismatch, ObjectGone,
-        StoreUnavailable); blocks are fetched concurrently."""
+        """Fetch the blocks of ``[offset, offset + length)`` of ``row`` that are not local
+        (ChecksumMismatch, ObjectGone, StoreUnavailable); blocks are fetched concurrently.
+
+        Returns early, without error, if the file changes meanwhile (a new generation: it
+        was truncated, evicted or replaced); the caller checks ``covers`` and decides."""
         stop = min(offset + length, row.size)
         if stop <= offset:
             return
+        generation = self.generation(row.ino)
         unit = self.unit(row)
-        have = self.ranges(row.ino)
         missing = [i for i in range(offset // unit, (stop - 1) // unit + 1)
-                   if not have.covers(i * unit, min((i + 1) * unit, row.size))]
+                   if not self._has_block(row, i, unit)]
         if not missing:
             return
         if len(missing) == 1:
-            await self._block(row, missing[0])
+            await self._block(row, missing[0], generation)
             return
         try:
             async with trio.open_nursery() as nursery:
                 for index in missing:
-                    nursery.start_soon(self._block, row, index)
+                    nursery.start_soon(self._block, row, index, generation)
         except BaseExceptionGroup as group:
             # One clear error for the caller (the others are logged where they happened).
             raise _first(group) from None
 
+    def _has_block(self, row: Row, index: int, unit: int) -> bool:
+        return self.ranges(row.ino).covers(index * unit, min((index + 1) * unit, row.size))
+
     def readahead(self, row: Row, offset: int, nbytes: int) -> None:
-        """Start fetching ``[offset, offset + nbytes)`` in the background (best effort)."""
+        """Start fetching ``[offset, offset + nbytes)`` in the background (best effort).
+
+        The fetches are registered before this returns, so ``settle`` (before a truncation)
+        and readers of the same blocks see them at once."""
         if self.nursery is None or nbytes <= 0 or offset >= row.size:
             return
+        generation = self.generation(row.ino)
         unit = self.unit(row)
-        have = self.ranges(row.ino)
         stop = min(offset + nbytes, row.size)
         for index in range(offset // unit, (stop - 1) // unit + 1):
-            if (row.ino, index) in self._inflight:
+            key = (row.ino, index)
+            if key in self._inflight or self._has_block(row, index, unit):
                 continue
-            if not have.covers(index * unit, min((index + 1) * unit, row.size)):
-                self.nursery.start_soon(self._readahead_block, row, index)
+            shared = self._inflight[key] = _Inflight()
+            self.nursery.start_soon(self._readahead_block, row, index, generation, shared)
 
-    async def _readahead_block(self, row: Row, index: int) -> None:
+    async def _readahead_block(self, row: Row, index: int, generation: int,
+                               shared: _Inflight) -> None:
         try:
-            await self._block(row, index)
+            await self._own(row, index, generation, shared)
         except Exception as exc:  # noqa: BLE001 (a reader that needs it fetches it again)
             log.debug("readahead of block %d of inode %d failed: %s", index, row.ino, exc)
 
-    async def _block(self, row: Row, index: int) -> None:
+    async def _block(self, row: Row, index: int, generation: int) -> None:
+        """Make block ``index`` local: fetch it, or wait for the fetch already in flight.
+
+        A waiter gets the owner's error only if it is an ordinary error of the same
+        generation; if the owner was cancelled, or fetched for an older generation, the
+        waiter looks again (and fetches itself if still needed)."""
         key = (row.ino, index)
-        shared = self._inflight.get(key)
-        if shared is not None:
+        unit = self.unit(row)
+        while self.generation(row.ino) == generation and not self._has_block(row, index, unit):
+            shared = self._inflight.get(key)
+            if shared is None:
+                shared = self._inflight[key] = _Inflight()
+                await self._own(row, index, generation, shared)
+                return
             await shared.done.wait()
-            if shared.error is not None:
+            if shared.error is not None and shared.generation == generation:
                 raise shared.error
-            return
-        shared = self._inflight[key] = _Inflight()
+
+    async def _own(self, row: Row, index: int, generation: int, shared: _Inflight) -> None:
+        shared.generation = generation
+        key = (row.ino, index)
         try:
-            await self._fetch_block(row, index)
-        except BaseException as exc:
+            await self._fetch_block(row, index, generation)
+        except Exception as exc:  # not Cancelled: a waiter must not inherit that
             shared.error = exc
             raise
         finally:
-            del self._inflight[key]
+            if self._inflight.get(key) is shared:
+                del self._inflight[key]
             shared.done.set()
 
-    async def _fetch_block(self, row: Row, index: int) -> None:
+    def _current(self, row: Row, generation: int) -> bool:
+        """Whether fetched bytes are still wanted: same generation, still not local."""
+        return self.generation(row.ino) == generation and row.state is State.REMOTE
+
+    async def _fetch_block(self, row: Row, index: int, generation: int) -> None:
         assert row.remote_key is not None
         key = row.remote_key
         unit = self.unit(row)
         sums = self.sums(row)
         start = index * unit
         length = min(unit, row.size - start)
-        generation = self._generation.get(row.ino, 0)
+        if not self._current(row, generation) or self._has_block(row, index, unit):
+            return
+        # Only what is not local yet takes room (a block may be half there, e.g. after the
+        # fetch block size changed between two mounts).
+        need = length - self.ranges(row.ino).covered_within(start, start + length)
         if self._reserve:
-            await self._reserve(length)
+            await self._reserve(need)
         recorded = False
         try:
+            if not self._current(row, generation):
+                return  # truncated, evicted or replaced while we waited for room
             self.prepare(row)
             fd = self.staging.acquire(row.ino)
             try:
@@ -291,7 +351,7 @@ class Fetcher:
                     raise ChecksumMismatch(what)
             finally:
                 self.staging.release(row.ino, fd)
-            if self._generation.get(row.ino, 0) != generation:
+            if not self._current(row, generation):
                 return  # evicted, replaced or deleted meanwhile: the bytes are not its data
             have = self.ranges(row.ino)
             have.add(start, start + length)
@@ -299,7 +359,7 @@ class Fetcher:
             recorded = True
         finally:
             if not recorded and self._give_back:
-                self._give_back(length)
+                self._give_back(need)
 
     async def _read(self, key: str, start: int, length: int, fd: int) -> int:
         for attempt in (1, 2):

@@ -38,6 +38,7 @@ from ckptfs.errors import (
     NoSuchAttribute,
     NotFound,
     NotPermitted,
+    ObjectGone,
     StagingFull,
     StoreUnavailable,
     Unsupported,
@@ -231,12 +232,12 @@ class Filesystem:
                 row.state = State.STAGED
                 self.journal.update(row)
         for ino in self.journal.inos_with_ranges():
-            if not self.staging.exists(ino):
+            ranged = self.journal.get(ino)
+            if ranged is None or ranged.state is not State.REMOTE:
+                self.journal.set_ranges(ino, [])  # whole and local (or gone): not needed
+            elif not self.staging.exists(ino):
                 self.journal.set_ranges(ino, [])  # the data file was lost: fetch again
         for stray in self.staging.stray_files(self.journal.all_inos()):
-            if stray.name.endswith(".fetch"):
-                stray.unlink()  # a partial download: the store still has it
-                continue
             log.warning("staging file with no journal entry (kept, not deleted): %s", stray)
         self.space.used = self.journal.local_bytes()
 
@@ -414,8 +415,10 @@ class Filesystem:
     async def _remove(self, parent: int, name: bytes, *, directory: bool) -> None:
         row = self.ns.lookup(parent, name)
         if directory and self.lister is not None and stat.S_ISDIR(row.mode):
-            # ENOTEMPTY if the store has entries in it: wait for the listing, however long.
-            await self.lister.refresh(row, wait=math.inf)
+            # ENOTEMPTY if the store has entries in it: wait for the listing, however long;
+            # a directory the store knows cannot be judged empty while the store is down.
+            if not await self.lister.refresh(row, wait=math.inf) and row.remote_key:
+                raise StoreUnavailable(f"cannot list {row.remote_key} to see that it is empty")
             row = self.ns.lookup(parent, name)
         keys = self._remote_keys(row)
         with self.journal.transaction():
@@ -454,10 +457,18 @@ class Filesystem:
         if self.lister is not None:
             # A directory known from the store moves with every descendant: the journal must
             # know them all first. A directory about to be replaced must really be empty.
-            if stat.S_ISDIR(src.mode) and src.remote_key is not None:
-                await self.lister.refresh_tree(src)
-            if dst is not None and stat.S_ISDIR(dst.mode):
-                await self.lister.refresh(dst, wait=math.inf)
+            if stat.S_ISDIR(src.mode) and src.remote_key is not None \
+                    and not await self.lister.refresh_tree(src):
+                raise StoreUnavailable(f"cannot list {src.remote_key} to move all of it")
+            if dst is not None and stat.S_ISDIR(dst.mode) and \
+                    not await self.lister.refresh(dst, wait=math.inf) and dst.remote_key:
+                raise StoreUnavailable(f"cannot list {dst.remote_key} to see that it is empty")
+            if flags & RENAME_EXCHANGE:
+                # Two remote copies cannot trade places one move after the other: both are
+                # made local first and uploaded again (below).
+                for each in (src, dst):
+                    if each is not None and each.state is State.REMOTE:
+                        await self._ensure_local(each)
             self.ns.lookup(old_parent, old_name)
             try:
                 dst = self.ns.lookup(new_parent, new_name)
@@ -591,6 +602,8 @@ class Filesystem:
     def _modify_data(self, row: Row) -> None:
         """The bytes are about to change: a new version, no longer committed anywhere."""
         self.listener.cancel(row.ino)
+        if self.fetcher is not None:
+            self.fetcher.forget(row.ino)  # no fetch of the old version may land in it
         row.version += 1
         row.checksum = None
         row.tiers = ""
@@ -606,14 +619,24 @@ class Filesystem:
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handle(fh)
         assert handle.fd is not None
-        row = self.ns.get(handle.ino)
-        size = max(0, min(size, row.size - offset))  # the journal's size is the file's size
-        if row.state is State.REMOTE and self.fetcher is not None:
-            await self.fetcher.ensure(row, offset, size)
-            self._read_ahead(handle, row, offset, size)
-            if row.state is State.REMOTE and self.fetcher.is_complete(row):
-                await self._completed(row)
-        return self.staging.pread(handle.fd, size, offset)
+        for _ in range(4):
+            row = self.ns.get(handle.ino)
+            wanted = max(0, min(size, row.size - offset))  # the journal's size is the file's
+            if row.state is not State.REMOTE or self.fetcher is None:
+                break
+            await self.fetcher.ensure(row, offset, wanted)
+            if row.state is not State.REMOTE:
+                continue  # truncated or completed meanwhile: look at it again
+            if self.fetcher.covers(row, offset, wanted):
+                self._read_ahead(handle, row, offset, wanted)
+                if self.fetcher.is_complete(row):
+                    await self._completed(row)
+                break
+            # The file changed under the fetch (evicted and fetched again, refetched after
+            # a bad checksum): try again; never serve a hole as data.
+        else:
+            raise ObjectGone(f"inode {handle.ino} kept changing while being read")
+        return self.staging.pread(handle.fd, wanted, offset)
 
     def _read_ahead(self, handle: Handle, row: Row, offset: int, size: int) -> None:
         """Sequential readers get blocks fetched ahead of them, a window that doubles up to
@@ -698,7 +721,7 @@ class Filesystem:
             for ino in self.fetcher.partial_inos():
                 if freed >= nbytes:
                     return freed
-                if not self._busy(ino):
+                if not self._busy(ino) and self.ns.get(ino).state is State.REMOTE:
                     freed += self.fetcher.drop(ino)
         for row in self.journal.rows_in_states(State.COMMITTED):
             if freed >= nbytes:
@@ -799,9 +822,10 @@ class Filesystem:
                 await self.fetcher.ensure(row, 0, row.size)
         if row.state is State.REMOTE and row.version == version \
                 and self.fetcher.is_complete(row):
-            row.state = State.COMMITTED
-            self.ns.persist(row)
-            self.fetcher.completed(row.ino)
+            with self.journal.transaction():  # never COMMITTED with ranges left behind
+                row.state = State.COMMITTED
+                self.ns.persist(row)
+                self.fetcher.completed(row.ino)
 
     async def _discard_remote(self, row: Row) -> None:
         """The old bytes of a file known from the store are not needed (O_TRUNC, truncate

@@ -9,10 +9,10 @@ object: state REMOTE or COMMITTED at the same key, not open for writing):
 - a clean entry whose object was rewritten (another node wrote a new version) takes the new
   size, mode, mtime and checksums, and its local data is dropped;
 - a clean entry known from the store whose object is gone (another node deleted it) is
-  removed, unless it was committed after the listing began. An entry written *here* whose
-  object is gone is never removed on that ground: its local copy is uploaded again
-  (``on_lost``), and an evicted one is reported lost. A listing never deletes local data
-  that the store does not hold.
+  removed, unless it was committed after the listing began; so is an entry written here and
+  since evicted (nothing of it is left). An entry written *here* that still has its local
+  copy is never removed on that ground: the copy is uploaded again (``on_lost``). A listing
+  never deletes local data that the store does not hold.
 
 Everything that is not clean (written here and not committed yet, being renamed, open for
 writing) wins over the store: local changes are never undone by a listing.
@@ -89,6 +89,7 @@ class Lister:
         self._clock = clock
         self._fresh_until: dict[int, float] = {}
         self._listed: set[int] = set()  # listed once since the mount, or created here
+        self._failed: set[int] = set()  # whose last listing failed (the store was down)
         self._inflight: dict[int, trio.Event] = {}
         # Where refreshes run so that a lookup can stop waiting for one (the mount's nursery);
         # without one they run in the caller.
@@ -99,26 +100,22 @@ class Lister:
         self.listings = 0
         self.heads = 0
 
-    def invalidate(self, ino: int) -> None:
-        self._fresh_until.pop(ino, None)
-
     def created(self, ino: int) -> None:
         """A directory made here: nothing of it can be in the store yet (until the ttl)."""
         self._listed.add(ino)
         self._fresh_until[ino] = self._clock() + self.ttl
 
-    async def refresh(self, directory: Row, *, force: bool = False,
-                      wait: float | None = None) -> None:
+    async def refresh(self, directory: Row, *, wait: float | None = None) -> bool:
         """Bring ``directory``'s entries in line with the store if its listing is stale.
 
         Waits for the listing at most ``wait`` seconds (default: ``STALE_WAIT`` if the
         directory was listed before, else until it is done); it goes on in the background.
-        """
+        True if the directory's view is known to be current (fresh, or listed just now)."""
         if not stat.S_ISDIR(directory.mode) or directory.parent is None and \
                 directory.ino != ROOT_INODE:
-            return
-        if not force and self._fresh_until.get(directory.ino, 0.0) > self._clock():
-            return
+            return True
+        if self._fresh_until.get(directory.ino, 0.0) > self._clock():
+            return directory.ino not in self._failed
         if wait is None:
             wait = STALE_WAIT if directory.ino in self._listed else math.inf
         done = self._inflight.get(directory.ino)
@@ -126,33 +123,41 @@ class Lister:
             done = self._inflight[directory.ino] = trio.Event()
             if self.nursery is None:
                 await self._run(directory, done)
-                return
-            self.nursery.start_soon(self._run, directory, done)
+            else:
+                self.nursery.start_soon(self._run, directory, done)
         with trio.move_on_after(wait):
             await done.wait()
+        return done.is_set() and directory.ino not in self._failed
 
     async def _run(self, directory: Row, done: trio.Event) -> None:
+        ok = False
         try:
-            await self._refresh(directory)
+            ok = await self._refresh(directory)
         except Exception:
             log.exception("listing of directory inode %d failed", directory.ino)
         finally:
+            if ok:
+                self._failed.discard(directory.ino)
+            else:
+                self._failed.add(directory.ino)
             self._listed.add(directory.ino)
             del self._inflight[directory.ino]
             done.set()
 
-    async def refresh_tree(self, directory: Row) -> None:
+    async def refresh_tree(self, directory: Row) -> bool:
         """Refresh ``directory`` and every directory below it, waiting for each (before a
-        rename or rmdir, the journal must know every descendant)."""
-        await self.refresh(directory, wait=math.inf)
+        rename or rmdir, the journal must know every descendant); False if one failed."""
+        ok = await self.refresh(directory, wait=math.inf)
         for child in list(self.ns.children(directory.ino, 0)):
             if stat.S_ISDIR(child.mode):
-                await self.refresh_tree(child)
+                ok = await self.refresh_tree(child) and ok
+        return ok
 
-    async def _refresh(self, directory: Row) -> None:
+    async def _refresh(self, directory: Row) -> bool:
+        """One listing merged into the journal; False if the store could not be listed."""
         path = self.journal.path_of(directory.ino)
         if path is None:
-            return
+            return True
         prefix = os.fsdecode(path) + "/" if path else ""
         started = time.time()
         try:
@@ -161,28 +166,30 @@ class Lister:
             log.warning("cannot list %s/%s (serving the local view): %s", self.tier.url,
                         prefix, exc)
             self._fresh_until[directory.ino] = self._clock() + min(self.ttl, RETRY_AFTER_FAILURE)
-            return
+            return False
         self.listings += 1
         remote = self._accept(prefix, entries)
-        local: dict[bytes, Row] = {}
-        for row in self.ns.children(directory.ino, 0):
-            assert row.name is not None
-            local[row.name] = row
-        for key, ino in self.journal.claimed_under(prefix).items():
-            name = os.fsencode(key[len(prefix):].removesuffix("/"))
-            held = local.get(name)
-            if name in remote and (held is None or held.ino != ino):
-                del remote[name]  # the key of an entry moving away from it, not a new one
+        before = self._children(directory)
         heads = [info for name, info in remote.items()
-                 if not info.meta_known and self._needs_meta(local.get(name), info)]
+                 if not info.meta_known and self._needs_meta(before.get(name), info)]
         details = await self._head_all(heads)
-        # Nothing awaited from here on: the journal changes in one go, and rows read above
-        # may have changed during the listing, so every decision re-reads the cached row.
+        # From here on nothing is awaited: the journal changes in one go. Everything the
+        # decisions depend on is read again now, since the namespace went on meanwhile (an
+        # unlink adds a tombstone, a rename claims a key, the directory itself may move).
+        if self.journal.path_of(directory.ino) != path:
+            return True  # moved or removed while we listed: this listing says nothing of it
+        local = self._children(directory)
+        skip = self.journal.hidden_under(prefix) | self.journal.tombstoned_under(prefix)
+        for key, ino in self.journal.claimed_under(prefix).items():
+            held = local.get(os.fsencode(key[len(prefix):].removesuffix("/")))
+            if held is None or held.ino != ino:
+                skip.add(key)  # the key of an entry moving away from it, not a new entry
         with self.journal.transaction():
             for name, info in remote.items():
+                if info.key in skip:
+                    continue
                 info = details.get(info.key, info)
-                found = self.journal.lookup(directory.ino, name)
-                existing = self.ns.get(found.ino) if found is not None else None
+                existing = local.get(name)
                 if existing is None:
                     if info.meta_known or info.key.endswith("/"):
                         self._insert(directory, name, info, started)
@@ -194,12 +201,8 @@ class Lister:
                 elif self._clean(existing, info.key) and stat.S_ISREG(existing.mode):
                     self._maybe_update(existing, info)
             for name, row in local.items():
-                if name in remote:
+                if name in remote and remote[name].key not in skip:
                     continue
-                current = self.journal.lookup(directory.ino, name)
-                if current is None or current.ino != row.ino:
-                    continue
-                row = self.ns.get(row.ino)
                 key = self._key_of(prefix, name, row)
                 if not self._clean(row, key) or (row.committed_at or 0.0) >= started:
                     continue
@@ -207,26 +210,34 @@ class Lister:
                     # Known from the store (or no local data left): it is gone everywhere.
                     self._remove(directory, name, row)
                 else:
-                    log.warning("%s: committed here but missing from %s (deleted behind "
-                                "ckptfs?); uploading the local copy again", key, self.tier.url)
+                    # Written here, local copy at hand: never lose it on the word of a
+                    # listing (the store lost it, or another node deleted what this node
+                    # still holds); upload it again.
+                    log.warning("%s: committed here but missing from %s; uploading the "
+                                "local copy again", key, self.tier.url)
                     self._on_lost(row)
         self._fresh_until[directory.ino] = self._clock() + self.ttl
+        return True
+
+    def _children(self, directory: Row) -> dict[bytes, Row]:
+        found: dict[bytes, Row] = {}
+        for row in self.ns.children(directory.ino, 0):
+            assert row.name is not None
+            found[row.name] = row
+        return found
 
     def _accept(self, prefix: str, entries: list[ObjectInfo]) -> dict[bytes, ObjectInfo]:
-        skip = self.journal.hidden_under(prefix) | self.journal.tombstoned_under(prefix)
+        """The entries whose names are safe path components (the others are refused)."""
         remote: dict[bytes, ObjectInfo] = {}
         for info in entries:
             if not info.key.startswith(prefix):
                 continue
-            name = info.key[len(prefix):]
-            name = name.removesuffix("/")
+            name = info.key[len(prefix):].removesuffix("/")
             why = refusal(name)
             if why is None and os.fsencode(name) in remote:
                 why = "a file and a directory of the same name"
             if why is not None:
                 self._refuse(info.key, why)
-                continue
-            if info.key in skip:
                 continue
             remote[os.fsencode(name)] = info
         return remote
@@ -308,17 +319,16 @@ class Lister:
     def _maybe_update(self, row: Row, info: ObjectInfo) -> None:
         if info.etag is not None and info.etag == row.remote_etag:
             return
+        if not info.meta_known:
+            return  # changed, but its metadata could not be read: the next listing decides
         meta = info.meta
         archived = info.storage_class if info.storage_class in ARCHIVE_CLASSES else None
-        if (info.size, meta.checksum) == (row.size, row.checksum) or (
-                not info.meta_known and info.size == row.size):
+        if info.size == row.size and meta.checksum is not None and meta.checksum == row.checksum:
             # Same data (our own upload, or a copy): remember the tag and storage class.
             if (row.remote_etag, row.storage_class) != (info.etag, archived):
                 row.remote_etag, row.storage_class = info.etag, archived
                 self.ns.persist(row)
             return
-        if not info.meta_known:
-            return  # changed, but its metadata could not be read: next listing
         log.info("%s: a new version in the store (%d bytes); dropping the local copy",
                  info.key, info.size)
         self._on_drop(row)

@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.errors import InvalidArgument
+from ckptfs.errors import InvalidArgument, NotFound
 from ckptfs.fs import Filesystem
 from ckptfs.journal import Row, State
 from ckptfs.tiers.base import ARCHIVE_CLASSES
@@ -80,20 +80,29 @@ async def restore(
         progress.waiting = [os.fsdecode(fs.journal.path_of(i) or b"?") for i in pending]
         await report(progress.as_dict())
         for ino, each in list(pending.items()):
-            assert each.remote_key is not None
-            info = await tier.head(each.remote_key)
+            key = each.remote_key
+            assert key is not None
+            info = await tier.head(key)
             if info.archived:
                 continue  # the store is still thawing it
             if info.storage_class in ARCHIVE_CLASSES:
-                await tier.promote(each.remote_key)  # keep it readable after the restore expires
-            each.storage_class = None
-            fs.ns.persist(each)
+                await tier.promote(key)  # keep it readable after the restore expires
             del pending[ino]
             progress.restored_files += 1
             progress.restored_bytes += each.size
-            log.info("%s: restored to %s", each.remote_key, tier.url)
-            if local and each.state is State.REMOTE:
-                await fs.ensure_local(each)
+            log.info("%s: restored to %s", key, tier.url)
+            # Hours may have passed: take the row as it is now, and change only its class
+            # (it may have been renamed, replaced or removed meanwhile).
+            try:
+                current = fs.ns.get(ino)
+            except NotFound:
+                continue
+            if current.remote_key != key:
+                continue
+            current.storage_class = None
+            fs.ns.persist(current)
+            if local and current.state is State.REMOTE:
+                await fs.ensure_local(current)
         if pending:
             await trio.sleep(poll_interval)
     progress.waiting = []

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from ckptfs.errors import CkptfsError, StoreUnavailable
+from ckptfs.errors import CkptfsError, NeedsRestore, StoreRefused, StoreUnavailable
 
 # Called with the number of bytes just transferred (progress bars, rates).
 Progress = Callable[[int], None]
@@ -47,7 +47,7 @@ class Kind(enum.StrEnum):
     DIRECTORY = "dir"
 
 
-class TierError(CkptfsError):
+class TierError(StoreRefused):
     """A permanent tier error (bad credentials, missing bucket, invalid key): do not retry."""
 
 
@@ -76,7 +76,7 @@ def write_local(fd: int, data: bytes | memoryview, offset: int) -> int:
     return done
 
 
-class ObjectArchived(CkptfsError):
+class ObjectArchived(NeedsRestore):
     """The object is in an archive storage class and must be restored before reading."""
 
 

@@ -292,12 +292,15 @@ class S3Tier(Tier):
         await self._call(request)
 
     async def promote(self, key: str) -> None:
-        # A copy onto itself that changes the storage class (allowed for a restored object);
-        # metadata is kept (MetadataDirective COPY).
+        # A copy onto itself that changes the storage class (allowed for a restored object),
+        # keeping the metadata; managed, so objects over 5 GiB go as a multipart copy.
+        from boto3.s3.transfer import TransferConfig
+
         full = self._key(key)
-        await self._call(self.client.copy_object, Bucket=self.bucket, Key=full,
-                         CopySource={"Bucket": self.bucket, "Key": full},
-                         StorageClass=self.storage_class, MetadataDirective="COPY")
+        config = TransferConfig(multipart_threshold=5 * 1024**3, multipart_chunksize=256 * 1024**2,
+                                max_concurrency=self.part_concurrency, use_threads=True)
+        await self._call(self.client.copy, {"Bucket": self.bucket, "Key": full}, self.bucket,
+                         full, ExtraArgs={"StorageClass": self.storage_class}, Config=config)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         paginator = self.client.get_paginator("list_objects_v2")
