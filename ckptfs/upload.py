@@ -402,7 +402,7 @@ class Uploader:
 
         started = time.monotonic()
         try:
-            await self.tier.put_file(key, source, size, meta, progress)
+            etag = await self.tier.put_file(key, source, size, meta, progress)
         except Exception:
             if row.state is State.UPLOADING and row.version == version:
                 row.state = State.STAGED  # waiting for a retry, as user.ckptfs.state says
@@ -431,7 +431,7 @@ class Uploader:
             row.checksum = checksum
             row.blocks = blocks
             row.storage_class = None
-            row.remote_etag = None
+            row.remote_etag = etag  # a listing that shows this tag needs no HEAD
             row.tiers = self.tier.name
             row.committed_at = time.time()
         with self.journal.transaction():

@@ -65,8 +65,9 @@ META = ObjectMeta(Kind.FILE, 0o640, 1_700_000_000_123_456_789, os.getuid(), os.g
 
 async def test_put_head_read_list(tier: Tier, tmp_path: Path) -> None:
     src, data = make_file(tmp_path, 100_000)
-    await tier.put_file("step_1/model.pt", src, len(data), META)
+    tag = await tier.put_file("step_1/model.pt", src, len(data), META)
     info = await tier.head("step_1/model.pt")
+    assert tag is not None and info.etag == tag  # the tag a listing will show
     assert info.size == len(data)
     assert info.meta.mode == 0o640 and info.meta.checksum == "crc32c:0badf00d"
     assert info.meta.mtime_ns == META.mtime_ns
@@ -159,3 +160,17 @@ def test_checksum_is_crc32c(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(b"123456789")
     assert file_checksum(path, 9) == "crc32c:e3069283"  # the standard CRC-32C check value
+
+
+async def test_list_dir_is_one_level(tier: Tier, tmp_path: Path) -> None:
+    src, data = make_file(tmp_path, 1000)
+    for key in ("a/x", "a/b/y", "a/b/c/z", "top"):
+        await tier.put_file(key, src, len(data), META)
+    await tier.put_entry("a/empty/", ObjectMeta(Kind.DIRECTORY, 0o750))
+    root = {i.key for i in await tier.list_dir("")}
+    assert root == {"a/", "top"}
+    inside = {i.key: i for i in await tier.list_dir("a/")}
+    assert set(inside) == {"a/x", "a/b/", "a/empty/"}
+    assert inside["a/x"].size == len(data)
+    assert {i.key for i in await tier.list_dir("a/b/")} == {"a/b/y", "a/b/c/"}
+    assert await tier.list_dir("nothing/") == []

@@ -34,10 +34,11 @@ class RecordingTier(FaultyTier):
         self.events: list[tuple[str, str, float]] = []
 
     async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> None:
+                       progress: Progress | None = None) -> str | None:
         self.events.append(("start", key, trio.current_time()))
-        await super().put_file(key, source, size, meta, progress)
+        etag = await super().put_file(key, source, size, meta, progress)
         self.events.append(("end", key, trio.current_time()))
+        return etag
 
 
 @dataclass

@@ -176,8 +176,9 @@ class Tier(abc.ABC):
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
         progress: Progress | None = None,
-    ) -> None:
-        """Store ``size`` bytes of the local file ``source`` at ``key``, atomically."""
+    ) -> str | None:
+        """Store ``size`` bytes of the local file ``source`` at ``key``, atomically; returns
+        the new object's tag (``ObjectInfo.etag``) when the store tells it."""
 
     @abc.abstractmethod
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:

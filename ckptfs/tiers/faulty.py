@@ -77,13 +77,14 @@ class FaultyTier(Tier):
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
         progress: Progress | None = None,
-    ) -> None:
+    ) -> str | None:
         await self._gate("put_file")
         await self._throttle(size)
-        await self.inner.put_file(key, source, size, meta, progress)
+        etag = await self.inner.put_file(key, source, size, meta, progress)
         self.puts_done += 1
         if self.kill_after_puts is not None and self.puts_done >= self.kill_after_puts:
             os.kill(os.getpid(), signal.SIGKILL)  # the object is stored, the journal not told
+        return etag
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         await self._gate("put_entry")

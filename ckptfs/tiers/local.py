@@ -105,7 +105,7 @@ class FileTier(Tier):
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
         progress: Progress | None = None,
-    ) -> None:
+    ) -> str | None:
         path = self._path(key)
         await self._run(lambda: path.parent.mkdir(parents=True, exist_ok=True))
         tmp = self._tmp_for(path)
@@ -125,12 +125,14 @@ class FileTier(Tier):
             finally:
                 os.close(dst_fd)
             await self._run(_publish, tmp, path)
+            published: os.stat_result = await self._run(os.stat, path)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_unlink_quiet, tmp)
             raise
         finally:
             os.close(src_fd)
+        return _tag(published)
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         path = self._path(key)

@@ -43,16 +43,17 @@ class MemoryTier(Tier):
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
         progress: Progress | None = None,
-    ) -> None:
+    ) -> str | None:
         def read() -> bytes:
             with open(source, "rb") as f:
                 return f.read(size)
 
         body = await trio.to_thread.run_sync(read)
         await trio.lowlevel.checkpoint()
-        self.objects[key] = _Object(body, meta)
+        obj = self.objects[key] = _Object(body, meta)
         if progress:
             progress(len(body))
+        return f"{id(obj):x}"
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         await trio.lowlevel.checkpoint()

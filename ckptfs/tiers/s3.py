@@ -158,7 +158,7 @@ class S3Tier(Tier):
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
         progress: Progress | None = None,
-    ) -> None:
+    ) -> str | None:
         full = self._key(key)
         fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -166,18 +166,20 @@ class S3Tier(Tier):
                 body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
                 if len(body) != size:
                     raise TierError(f"{source} is shorter than {size} bytes")
-                await self._call(self.client.put_object, Bucket=self.bucket, Key=full,
-                                 Body=body, **self._put_args(meta))
+                reply = await self._call(self.client.put_object, Bucket=self.bucket, Key=full,
+                                         Body=body, **self._put_args(meta))
                 if progress:
                     progress(size)
             else:
-                await self._multipart(full, fd, size, meta, progress)
+                reply = await self._multipart(full, fd, size, meta, progress)
         finally:
             os.close(fd)
+        etag = reply.get("ETag")
+        return str(etag) if etag else None
 
     async def _multipart(
         self, full: str, fd: int, size: int, meta: ObjectMeta, progress: Progress | None
-    ) -> None:
+    ) -> dict[str, Any]:
         created = await self._call(self.client.create_multipart_upload, Bucket=self.bucket,
                                    Key=full, **self._put_args(meta))
         upload_id = created["UploadId"]
@@ -202,7 +204,7 @@ class S3Tier(Tier):
             async with trio.open_nursery() as nursery:
                 for number in range(1, count + 1):
                     nursery.start_soon(part, number)  # at most part_concurrency send at once
-            await self._call(
+            done: dict[str, Any] = await self._call(
                 self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": [{"ETag": e, "PartNumber": i + 1}
@@ -217,6 +219,7 @@ class S3Tier(Tier):
                     log.warning("could not abort multipart upload of %s (cleaned up at the "
                                 "next start): %s", full, exc)
             raise
+        return done
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         if meta.kind is Kind.DIRECTORY:
