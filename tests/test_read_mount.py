@@ -346,3 +346,36 @@ def test_unsafe_names_in_the_store_never_leave_the_mount(mounter: Mounter, bucke
     assert sorted(p.name for p in tmp_path.parent.iterdir()) == before
     b.umount()
     assert not list(tmp_path.parent.rglob("*_escaped"))
+
+
+# ---------------------------------------------------------------------------------------------
+# ckptfs evict
+
+
+def test_evict_drops_local_copies_that_stay_readable(mounter: Mounter, bucket: Bucket,
+                                                     tmp_path: Path) -> None:
+    m = mounter("a", config=config(bucket, tmp_path))
+    data = {f"step_1/shard_{i}.bin": os.urandom(3 * MiB + i) for i in range(3)}
+    (m.path / "step_1").mkdir()
+    for rel, body in data.items():
+        (m.path / rel).write_bytes(body)
+    (m.path / "step_2").mkdir()
+    (m.path / "step_2" / "open.bin").write_bytes(b"o" * 1000)
+    ckptfs("sync", m.path)
+    writer = open(m.path / "step_2" / "open.bin", "ab")  # noqa: SIM115 (held open on purpose)
+    (m.path / "step_2" / "new.bin").write_bytes(b"n" * 10)  # closed, maybe not committed
+    try:
+        used_before = status(m)["staging"]["used_bytes"]
+        out = ckptfs("evict", m.path / "step_1").stdout
+        assert "evicted 3 files" in out
+        assert {m.state(rel) for rel in data} == {"remote"}
+        assert status(m)["staging"]["used_bytes"] <= used_before - sum(map(len, data.values()))
+        out = ckptfs("evict", m.path / "step_2").stdout
+        assert "open" in out  # the file open for writing keeps its data, and says why
+        assert m.state("step_2/open.bin") == "open"
+    finally:
+        writer.close()
+    for rel, body in data.items():  # fetched back by range on read, verified
+        assert (m.path / rel).read_bytes() == body
+    assert fetched(m) == sum(map(len, data.values()))
+    assert {m.state(rel) for rel in data} == {"committed"}
