@@ -1,4 +1,5 @@
-"""The benchmarks must not rot: ``benchmarks/run_all.py --quick`` runs every question end to end.
+"""The benchmarks must not rot: ``benchmarks/run_all.py --quick`` runs every question end to end,
+``benchmarks/restore.py --quick`` both stores.
 
 It checks that the runner produced its table, JSON and PNG and that no question failed, never
 the figures themselves (benchmarks print numbers, they do not assert them; on a shared CI
@@ -46,6 +47,29 @@ def test_run_all_quick(tmp_path: Path) -> None:
     png = (out / "run_all.quick.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # every mount the runner made is gone
+    work = next(line.split("work dir ", 1)[1].split(";")[0]
+                for line in done.stderr.splitlines() if "work dir " in line)
+    assert work not in Path("/proc/self/mountinfo").read_text()
+    assert not Path(work).exists()
+
+
+def test_restore_quick(tmp_path: Path) -> None:
+    """``benchmarks/restore.py --quick``: both stores, table and JSON there, every mount gone."""
+    out = tmp_path / "results"
+    done = subprocess.run(
+        # No page-cache drop: it is machine-wide, and CI shares the machine.
+        [sys.executable, str(REPO / "benchmarks" / "restore.py"), "--quick", "--no-drop-caches",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL, cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 0, f"restore.py --quick failed:\n{done.stdout}\n{done.stderr[-6000:]}"
+    assert "| store | measurement | value | target |" in done.stdout
+    data = json.loads((out / "restore.quick.json").read_text())
+    assert set(data["results"]) == {"s3", "file"}
+    for store, result in data["results"].items():
+        assert "error" not in result, f"{store}: {result.get('error')}"
+        assert result["summary"], store
     work = next(line.split("work dir ", 1)[1].split(";")[0]
                 for line in done.stderr.splitlines() if "work dir " in line)
     assert work not in Path("/proc/self/mountinfo").read_text()

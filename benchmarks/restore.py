@@ -1,0 +1,616 @@
+#!/usr/bin/env python3
+"""restore.py: reading a checkpoint back through ckptfs (issue #4, "Performance").
+
+Two questions, for each warm tier (``--store s3|file|both``):
+
+1. **Restore on a fresh node.** A checkpoint of ``--size-mib`` (2048) MiB in ``--files`` (4)
+   files is written through a ckptfs mount and synced to the store; that mount and its staging
+   dir are then removed. Measured, page cache dropped before each side:
+     baseline  S3: boto3 ``download_file`` of every object into a local dir (4 files at once,
+               16 MiB parts x 4, as Q3), then reading the local files; file store: plain
+               ``shutil.copyfile`` of every object out of the store dir, then reading.
+     ckptfs    a FRESH mount (empty staging dir) over the populated store; the files are read
+               through it. Reported with and without the mount time (CLI start + root listing).
+   Ratio: throughput ckptfs / baseline; target >= 0.8.
+   Caveat, S3: the store is moto on loopback (in a process of its own), and moto reads the whole
+   object for every range GET (``FakeKey.value``): a GET of 8 MiB out of a 512 MiB object costs
+   a 512 MiB copy in moto. Both sides pay it per range GET, so the side with smaller ranges
+   (ckptfs's ``fetch_block_size`` 8 MiB vs boto3's 16 MiB parts) pays more: the file store row
+   shows ckptfs's own overhead without that.
+
+2. **Second read, now local.** The same files read again through the same mount (every block
+   fetched: state ``committed``) vs the same bytes in a plain local directory (the baseline's),
+   side by side with two do-nothing FUSE filesystems (``nullfs.py``, same mount options and
+   worker settings as ckptfs), the ceiling of a Python FUSE read path:
+     nullfs        reads answer zeros (no I/O at all: FUSE round trips only)
+     nullfs-pread  reads answer ``os.pread`` of a backing file (the files were written
+                   through it): the least a staging filesystem must do
+   The kernel keeps a FUSE file's page cache across opens (measured: a second read of an
+   unchanged nullfs file sends no READ at all), so three cases:
+     cached  page cache warm: the kernel answers, the daemon is not asked (a real second read)
+     daemon  the FUSE files' page cache is evicted (``posix_fadvise(DONTNEED)`` on the files
+             of the mount) before every read, the daemons' own files and the plain dir stay
+             cached: every byte goes through the daemon, the case the ceiling is about
+     cold    the whole page cache dropped before each configuration, one read (disk-bound;
+             nullfs answers zeros, so it has no cold case)
+   cached: each timed read right after an untimed one of the same files (the kernel drops a
+   FUSE file's pages when it refreshes its attributes, after the 10 s attribute timeout);
+   daemon: every configuration once untimed first. ``--reps`` (3) rounds, interleaved,
+   median. Ratio: ckptfs / nullfs throughput (daemon case), target >= 0.9; the
+   write-path ceiling (nullfs / plain, ``results/write_path.json``) is printed beside it.
+
+Readers: one thread per file, at most 4 at once, ``read()`` calls of 1 MiB into one buffer
+(the data is discarded). The page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``,
+needs root; machine-wide) where a phase must start cold: before each restore side and before
+each cold read. Without root the drop is skipped and the output says so.
+
+Every mount is unmounted in a ``finally`` (ckptfs with ``umount``, then ``fusermount3 -u -z``);
+moto and nullfs are stopped by their own pids; SIGTERM behaves like Ctrl-C. Nothing is
+asserted: the script prints a markdown table and writes every raw number to ``--out``
+(``benchmarks/results/restore.json``; ``--quick``: ``restore.quick.json``).
+
+    python benchmarks/restore.py --quick                 # 64 MiB in 4 files, both stores, < 1 min
+    python benchmarks/restore.py                         # 2 GiB in 4 files, both stores
+    python benchmarks/restore.py --files 1 --store file  # one 2 GiB file
+    python benchmarks/restore.py --ckptfs-config 'fetch_block_size = 16777216'
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # questions.common, write_path
+
+from questions.common import (
+    CkptfsMount,
+    MiB,
+    Moto,
+    ckptfs,
+    ckptfs_config,
+    ckptfs_mount,
+    log,
+    moto_server,
+    nullfs_mount,
+    write_file,
+)
+from write_path import machine_busy_s
+
+PART, PART_CONC, FILE_CONC = 16 * MiB, 4, 4  # boto3 side, as Q3 (ckptfs's upload defaults)
+READ_CALL = MiB
+STALL_S = 0.1  # a read() call slower than this is counted as a stall
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+@dataclass
+class ReadRun:
+    seconds: float
+    bytes: int
+    calls: int
+    slowest_call_s: float
+    stalls: int  # read() calls slower than STALL_S
+    reader_cpu_s: float  # this process (the readers), user + sys
+    daemon_cpu_s: float | None = None  # the FUSE daemon, user + sys
+
+    def mbs(self) -> float:
+        return self.bytes / self.seconds / 1e6
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _read_one(path: Path) -> tuple[int, int, float, int]:
+    buf = bytearray(READ_CALL)
+    total = calls = stalls = 0
+    slowest = 0.0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            t0 = time.perf_counter()
+            n = f.readinto(buf)
+            dt_call = time.perf_counter() - t0
+            calls += 1
+            slowest = max(slowest, dt_call)
+            stalls += dt_call > STALL_S
+            if not n:
+                break
+            total += n
+    return total, calls, slowest, stalls
+
+
+def read_all(paths: list[Path], daemon_pid: int | None = None) -> ReadRun:
+    """Read every file, one thread per file (at most FILE_CONC at once), 1 MiB calls."""
+    cpu0 = os.times()
+    d0 = proc_cpu_s(daemon_pid) if daemon_pid else 0.0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(min(FILE_CONC, len(paths))) as pool:
+        parts = list(pool.map(_read_one, paths))
+    elapsed = time.perf_counter() - t0
+    cpu1 = os.times()
+    return ReadRun(elapsed, sum(p[0] for p in parts), sum(p[1] for p in parts),
+                   max(p[2] for p in parts), sum(p[3] for p in parts),
+                   (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
+                   proc_cpu_s(daemon_pid) - d0 if daemon_pid else None)
+
+
+DROPPED: dict[str, bool | None] = {"ok": None, "skip": False}
+
+
+def drop_caches() -> bool:
+    """sync, then drop the page cache, dentries and inodes (machine-wide; needs root)."""
+    os.sync()
+    if DROPPED["skip"]:
+        DROPPED["ok"] = False
+        return False
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        ok = True
+    except OSError:
+        ok = False
+    if DROPPED["ok"] is None and not ok:  # said once
+        log("cannot write /proc/sys/vm/drop_caches (not root?): page cache NOT dropped")
+    DROPPED["ok"] = ok if DROPPED["ok"] is None else (DROPPED["ok"] and ok)
+    return ok
+
+
+def ckptfs_status(mnt: Path) -> dict[str, Any]:
+    done = ckptfs("status", mnt, "--json", check=False)
+    try:
+        data = json.loads(done.stdout)
+    except ValueError:
+        return {"error": (done.stdout + done.stderr)[-500:]}
+    found: dict[str, Any] = data[0] if isinstance(data, list) and data else data
+    return found
+
+
+def file_states(paths: list[Path]) -> list[str]:
+    out = []
+    for p in paths:
+        try:
+            out.append(os.getxattr(p, "user.ckptfs.state").decode())
+        except OSError as exc:
+            out.append(f"? ({exc.strerror})")
+    return out
+
+
+# -- the stores -----------------------------------------------------------------------------
+
+
+@dataclass
+class Store:
+    kind: str  # "s3" | "file"
+    work: Path
+    moto: Moto | None = None
+    bucket: str = ""
+
+    @property
+    def store_dir(self) -> Path:
+        return self.work / f"{self.kind}-store"
+
+    def config(self, staging: Path, extra: str) -> str:
+        if self.kind == "s3":
+            return ckptfs_config(staging, moto=self.moto, bucket=self.bucket, prefix="run",
+                                 extra=extra)
+        return ckptfs_config(staging, store_dir=self.store_dir, extra=extra)
+
+    def baseline_fetch(self, names: list[str], dest: Path) -> None:
+        """Bring every object into ``dest`` the plain way (4 files at once)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.kind == "s3":
+            from boto3.s3.transfer import TransferConfig
+
+            assert self.moto is not None
+            s3 = self.moto.client()
+            cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART,
+                                 max_concurrency=PART_CONC)
+
+            def one(n: str) -> None:
+                s3.download_file(self.bucket, f"run/{n}", str(dest / n), Config=cfg)
+        else:
+            def one(n: str) -> None:
+                shutil.copyfile(self.store_dir / n, dest / n)
+        with ThreadPoolExecutor(min(FILE_CONC, len(names))) as pool:
+            list(pool.map(one, names))
+
+
+def populate(store: Store, names: list[str], size: int, block: bytes, extra: str) -> float:
+    """Write the checkpoint through a ckptfs mount and sync it to the store (the objects then
+    carry ckptfs's metadata and block checksums, as a real checkpoint's would); seconds."""
+    t0 = time.perf_counter()
+    staging = store.work / f"{store.kind}-writer-staging"
+    with ckptfs_mount(store.work, f"{store.kind}-writer", store.config(staging, extra)) as m:
+        for n in names:
+            write_file(m.path / n, size, block)
+        m.sync()
+    shutil.rmtree(staging, ignore_errors=True)  # this node is gone
+    return time.perf_counter() - t0
+
+
+# -- one store ------------------------------------------------------------------------------
+
+
+def run_store(store: Store, names: list[str], size: int, block: bytes, args: argparse.Namespace,
+              nulls: dict[str, Any]) -> dict[str, Any]:
+    kind = store.kind
+    total = size * len(names)
+    log(f"{kind}: writing {len(names)} x {size / MiB:.0f} MiB through ckptfs and syncing it")
+    populate_s = populate(store, names, size, block, args.ckptfs_config)
+    log(f"{kind}: populated in {populate_s:.1f} s")
+
+    # 1. restore on a fresh node: baseline
+    local = store.work / f"{kind}-local"
+    drop_caches()
+    t0 = time.perf_counter()
+    store.baseline_fetch(names, local)
+    fetch_s = time.perf_counter() - t0
+    base_read = read_all([local / n for n in names])
+    base_s = fetch_s + base_read.seconds
+    what = "boto3 download_file" if kind == "s3" else "shutil.copyfile"
+    log(f"{kind}: baseline {what} {fetch_s:.2f} s + read {base_read.seconds:.2f} s "
+        f"= {total / base_s / 1e6:.0f} MB/s")
+
+    # 1. restore on a fresh node: ckptfs
+    drop_caches()
+    staging = store.work / f"{kind}-reader-staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    result: dict[str, Any] = {"store": kind, "bytes": total, "files": len(names),
+                              "populate_s": populate_s,
+                              "baseline": {"how": what, "fetch_s": fetch_s,
+                                           "read": asdict(base_read), "total_s": base_s}}
+    t0 = time.perf_counter()
+    with ckptfs_mount(store.work, f"{kind}-reader", store.config(staging, args.ckptfs_config)) as m:
+        mount_s = time.perf_counter() - t0
+        paths = [m.path / n for n in names]
+        fresh = read_all(paths, m.pid)
+        status = ckptfs_status(m.path)
+        states = file_states(paths)
+        rss = m.peak_rss()
+        log(f"{kind}: ckptfs fresh mount {mount_s:.2f} s + read {fresh.seconds:.2f} s "
+            f"= {total / fresh.seconds / 1e6:.0f} MB/s (read only); states {set(states)}; "
+            f"fetched {status.get('fetch', {}).get('bytes')} bytes")
+        result["ckptfs_fresh"] = {"mount_s": mount_s, "read": asdict(fresh),
+                                  "fetch": status.get("fetch"), "states_after": states,
+                                  "daemon_peak_rss": rss}
+        result["second_read"] = second_read(m, paths, local, names, args, nulls)
+    shutil.rmtree(local, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
+def evict_fuse_cache(paths: list[Path]) -> None:
+    """Drop the kernel's page cache of files on a FUSE mount (POSIX_FADV_DONTNEED on the FUSE
+    inode): the next read goes to the daemon, whose own files stay in the page cache."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def second_read(m: CkptfsMount, paths: list[Path], local: Path, names: list[str],
+                args: argparse.Namespace, nulls: dict[str, Any]) -> dict[str, Any]:
+    """The same bytes again: ckptfs (now local) vs a plain dir vs the nullfs ceilings.
+
+    The kernel keeps a FUSE file's page cache across opens here (a second ``open`` + read of
+    an unchanged nullfs file sends no READ to the daemon), so a plain second read measures the
+    kernel, not the filesystem. Three cases:
+      cached  the FUSE page cache is warm (what a second read right after the first gets)
+      daemon  the FUSE page cache is evicted (fadvise DONTNEED) before every read, the
+              daemons' files and the plain dir stay cached: every byte goes through the daemon
+      cold    the whole page cache is dropped before each configuration (disk-bound)
+    """
+    configs: dict[str, tuple[list[Path], int | None]] = {
+        "plain": ([local / n for n in names], None),
+        "nullfs": ([nulls["nullfs"].path / n for n in names], nulls["nullfs"].pid),
+        "nullfs-pread": ([nulls["nullfs-pread"].path / n for n in names],
+                         nulls["nullfs-pread"].pid),
+        "ckptfs": (paths, m.pid),
+    }
+    cold: dict[str, Any] = {}
+    for name in ("plain", "nullfs-pread", "ckptfs"):
+        drop_caches()
+        files, pid = configs[name]
+        cold[name] = asdict(read_all(files, pid))
+    order = list(configs)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        case: {name: [] for name in configs} for case in ("cached", "daemon")}
+    leaked = {"nullfs": 0, "nullfs-pread": 0}  # READs that reached nullfs in timed cached reads
+    for rep in range(args.reps):
+        for name in order[rep % len(order):] + order[:rep % len(order)]:
+            files, pid = configs[name]
+            # The kernel drops a FUSE file's pages when it refreshes its attributes (after the
+            # 10 s attribute timeout; measured on nullfs): the timed read follows its warm-up.
+            read_all(files, pid)
+            before = _nullfs_reads(nulls[name].path) if name in leaked else 0
+            runs["cached"][name].append(asdict(read_all(files, pid)))
+            if name in leaked:
+                leaked[name] += _nullfs_reads(nulls[name].path) - before
+    for name, (files, pid) in configs.items():
+        read_all(files, pid)  # untimed: the daemons' files and the plain dir in the page cache
+    reads1b = {k: _nullfs_reads(nulls[k].path) for k in ("nullfs", "nullfs-pread")}
+    for rep in range(args.reps):
+        for name in order[rep % len(order):] + order[:rep % len(order)]:
+            files, pid = configs[name]
+            if name != "plain":
+                evict_fuse_cache(files)
+            runs["daemon"][name].append(asdict(read_all(files, pid)))
+    reads2 = {k: _nullfs_reads(nulls[k].path) for k in ("nullfs", "nullfs-pread")}
+    total = runs["cached"]["plain"][0]["bytes"]
+    medians = {case: {name: statistics.median(r["seconds"] for r in rs)
+                      for name, rs in by_name.items()} for case, by_name in runs.items()}
+    for case, med in medians.items():
+        log(f"second read, {case}, MB/s: " + ", ".join(f"{n} {total / s / 1e6:.0f}"
+                                                       for n, s in med.items()))
+    return {"cold": cold, "runs": runs, "median_s": medians,
+            "nullfs_read_requests": {
+                # READs that reached nullfs during the timed cached reads (0: every cached
+                # read was answered by the kernel) and the timed daemon reads
+                "cached": leaked,
+                "daemon": {k: reads2[k] - reads1b[k] for k in leaked},
+                "daemon_mean_bytes": {k: (total * args.reps / (reads2[k] - reads1b[k])
+                                          if reads2[k] > reads1b[k] else None) for k in leaked}}}
+
+
+def _nullfs_reads(mnt: Path) -> int:
+    stats = json.loads(os.getxattr(mnt, "user.nullfs.stats"))
+    return int(stats.get("ops", {}).get("read", 0))
+
+
+def setup_nullfs(stack: ExitStack, work: Path, names: list[str], size: int,
+                 block: bytes) -> dict[str, Any]:
+    """Two nullfs mounts holding files of the checkpoint's names and sizes."""
+    null = stack.enter_context(nullfs_mount(work, "nullfs"))
+    for n in names:
+        os.close(os.open(null.path / n, os.O_WRONLY | os.O_CREAT, 0o644))
+        os.truncate(null.path / n, size)  # reads answer zeros
+    backing = work / "nullfs-pread-backing"
+    backing.mkdir()
+    pread = stack.enter_context(nullfs_mount(work, "nullfs-pread", "--backing-dir",
+                                             str(backing)))
+    for n in names:
+        write_file(pread.path / n, size, block)
+    return {"nullfs": null, "nullfs-pread": pread}
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def summarize(r: dict[str, Any], write_ceiling: float | None) -> list[tuple[str, str, str]]:
+    total: int = r["bytes"]
+    store = "S3 (moto)" if r["store"] == "s3" else "file"
+
+    def mbs(s: float) -> float:
+        return total / s / 1e6
+
+    b, f = r["baseline"], r["ckptfs_fresh"]
+    fresh_s, mount_s = f["read"]["seconds"], f["mount_s"]
+    rows = [
+        (f"restore MB/s: {b['how']} + read / ckptfs fresh mount (read; incl. mount)",
+         (f"{mbs(b['total_s']):.0f} ({b['fetch_s']:.1f} + {b['read']['seconds']:.1f} s) / "
+          f"{mbs(fresh_s):.0f}; {mbs(fresh_s + mount_s):.0f}"), ""),
+        ("restore throughput ckptfs / baseline (read only; incl. mount)",
+         f"**{b['total_s'] / fresh_s:.2f}**; {b['total_s'] / (fresh_s + mount_s):.2f}", "≥ 0.8"),
+    ]
+    fetch = f.get("fetch") or {}
+    if fetch.get("bytes") is not None:
+        rows.append((("restore: fetched / file bytes, read() calls > 0.1 s (slowest), "
+                      "daemon CPU s, peak RSS MB"),
+                     (f"{fetch['bytes'] / total:.2f}, {f['read']['stalls']} "
+                      f"({f['read']['slowest_call_s']:.2f} s), {f['read']['daemon_cpu_s']:.1f}, "
+                      f"{f['daemon_peak_rss'] / 1e6:.0f}"), ""))
+    if set(f["states_after"]) != {"committed"}:
+        rows.append(("restore: states after the read", ", ".join(sorted(set(f["states_after"]))),
+                     "!"))
+    if f["read"]["bytes"] != total:
+        rows.append(("restore: bytes read != bytes stored", f"{f['read']['bytes']} != {total}",
+                     "!"))
+    s = r["second_read"]
+    names = ("plain", "nullfs", "nullfs-pread", "ckptfs")
+    for case, label in (("cached", "FUSE page cache warm"),
+                        ("daemon", "FUSE page cache evicted, every byte via the daemon")):
+        med = s["median_s"][case]
+        leaked = s["nullfs_read_requests"]["cached"]["nullfs"] if case == "cached" else 0
+        if leaked:  # the kernel dropped the pages anyway: this is not the cached case
+            label += f" (NOT cached: {leaked} READs reached nullfs)"
+        rows += [
+            (f"second read, {label}, MB/s: plain / nullfs / nullfs-pread / ckptfs",
+             " / ".join(f"{mbs(med[n]):.0f}" for n in names), ""),
+            (f"second read, {case}: ckptfs / plain; FUSE read ceiling nullfs / plain",
+             f"{med['plain'] / med['ckptfs']:.2f}; {med['plain'] / med['nullfs']:.2f}"
+             + (f" (write ceiling, write_path.json: {write_ceiling:.2f})"
+                if write_ceiling and case == "daemon" else ""), ""),
+            (f"second read, {case}: ckptfs / nullfs (of the ceiling); ckptfs / nullfs-pread",
+             f"**{med['nullfs'] / med['ckptfs']:.2f}**; {med['nullfs-pread'] / med['ckptfs']:.2f}",
+             "≥ 0.9"),
+        ]
+    req = s["nullfs_read_requests"]
+    mean = req["daemon_mean_bytes"]["nullfs"]
+    rows += [
+        (("second read, daemon: daemon CPU s per GiB, nullfs / nullfs-pread / ckptfs; "
+          "READ request size seen by nullfs"),
+         " / ".join(f"{_median_cpu(s['runs']['daemon'][n]) / (total / 2**30):.2f}"
+                    for n in ("nullfs", "nullfs-pread", "ckptfs"))
+         + (f"; {mean / 1024:.0f} KiB" if mean else ""), ""),
+        ("second read, cold (page cache dropped), MB/s: plain / nullfs-pread / ckptfs",
+         " / ".join(f"{mbs(s['cold'][n]['seconds']):.0f}"
+                    for n in ("plain", "nullfs-pread", "ckptfs"))
+         + f"; ckptfs / plain {s['cold']['plain']['seconds'] / s['cold']['ckptfs']['seconds']:.2f}",
+         ""),
+    ]
+    return [(f"{store} | {m}", v, t) for m, v, t in rows]
+
+
+def _median_cpu(runs: list[dict[str, Any]]) -> float:
+    return statistics.median(r["daemon_cpu_s"] or 0.0 for r in runs)
+
+
+def write_ceiling_ratio() -> float | None:
+    """nullfs / plain throughput, seq 1 MiB writes, from write_path.py's committed results."""
+    try:
+        summary = json.loads((HERE / "results" / "write_path.json").read_text())["summary"]
+        seq = summary["seq_1m"]
+        return float(seq["nullfs"]["mb_per_s"] / seq["plain"]["mb_per_s"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                         text=True, check=False).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "ckptfs"], cwd=HERE.parent,
+                                capture_output=True, text=True, check=False).stdout.strip())
+    return {"date": dt.datetime.now().isoformat(timespec="seconds"), "nproc": os.cpu_count(),
+            "mem_gib": round(mem / 2**30, 1), "kernel": platform.release(),
+            "python": platform.python_version(), "git": git, "ckptfs_dirty": dirty,
+            "loadavg_start": os.getloadavg()}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=int, help="checkpoint size, MiB in all [2048; quick 64]")
+    p.add_argument("--files", type=int, default=4, help="files in the checkpoint [4]")
+    p.add_argument("--store", choices=("s3", "file", "both"), default="both",
+                   help="warm tier: S3 on moto, a directory, or both [both]")
+    p.add_argument("--reps", type=int, help="warm second reads per configuration [3; quick 1]")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, < 1 min (smoke test)")
+    p.add_argument("--ckptfs-config", default="",
+                   help="extra top-level config lines for every ckptfs mount, e.g. "
+                        "'fetch_block_size = 16777216'")
+    p.add_argument("--out", type=Path, default=HERE / "results",
+                   help="directory for the JSON [benchmarks/results]")
+    p.add_argument("--stem", help="JSON file name without .json [restore; quick: restore.quick]")
+    p.add_argument("--workdir", type=Path, default=Path("/var/tmp"),
+                   help="where the temporary work dir goes (keep its path short) [/var/tmp]")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.add_argument("--no-drop-caches", action="store_true",
+                   help="never drop the page cache (it is machine-wide: CI, shared machines)")
+    a = p.parse_args(argv)
+    if a.size_mib is None:
+        a.size_mib = 64 if a.quick else 2048
+    if a.reps is None:
+        a.reps = 1 if a.quick else 3
+    if a.files < 1 or a.size_mib < a.files:
+        p.error("--size-mib must be at least --files (whole MiB per file)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    DROPPED["skip"] = args.no_drop_caches
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckptfs-restore-", dir=args.workdir))
+    stem = args.stem or ("restore.quick" if args.quick else "restore")
+    info = machine()
+    stores = ["s3", "file"] if args.store == "both" else [args.store]
+    size = args.size_mib * MiB // args.files
+    names = [f"shard_{i:02d}.distcp" for i in range(args.files)]
+    block = os.urandom(MiB)
+    log(f"work dir {work}; {args.files} x {size / MiB:.0f} MiB; stores {', '.join(stores)}")
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    results: dict[str, Any] = {}
+    t_all = time.perf_counter()
+    try:
+        with ExitStack() as stack:
+            nulls = setup_nullfs(stack, work, names, size, block)
+            for kind in stores:
+                t0, busy0, load0 = time.perf_counter(), machine_busy_s(), os.getloadavg()[0]
+                store = Store(kind, work)
+                try:
+                    if kind == "s3":
+                        log("starting moto (ThreadedMotoServer) on 127.0.0.1, own process")
+                        store.moto = stack.enter_context(moto_server())
+                        store.bucket = store.moto.new_bucket("restore")
+                    results[kind] = run_store(store, names, size, block, args, nulls)
+                except Exception:  # noqa: BLE001 (one failed store must not hide the other)
+                    import traceback
+
+                    traceback.print_exc()
+                    results[kind] = {"error": traceback.format_exc()}
+                finally:
+                    if store.moto is not None and store.bucket:
+                        try:
+                            store.moto.empty_bucket(store.bucket)
+                        except Exception as exc:  # noqa: BLE001 (moto may be what failed)
+                            log(f"could not empty the bucket: {exc}")
+                    shutil.rmtree(store.store_dir, ignore_errors=True)
+                wall = time.perf_counter() - t0
+                results[kind].update(wall_s=wall,
+                                     machine_cpus_busy=round((machine_busy_s() - busy0) / wall, 2),
+                                     loadavg_1m=(round(load0, 2), round(os.getloadavg()[0], 2)))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    info["loadavg_end"] = os.getloadavg()
+    info["wall_s"] = time.perf_counter() - t_all
+    info["page_cache_dropped"] = DROPPED["ok"]
+    ceiling = write_ceiling_ratio()
+
+    lines = [f"## restore ({'quick' if args.quick else 'full'}), {info['date']}: "
+             f"{args.files} x {size / MiB:.0f} MiB, {info['nproc']} CPUs, "
+             f"{info['mem_gib']} GiB RAM, ckptfs {info['git']}"
+             + (" (+ uncommitted changes)" if info["ckptfs_dirty"] else ""), "",
+             "| store | measurement | value | target |", "|---|---|---:|---|"]
+    for kind, r in results.items():
+        if "error" in r:
+            last = [x for x in r["error"].splitlines() if x.strip()][-1]
+            lines.append(f"| {kind} | FAILED | {last[:160].replace('|', '/')} | |")
+            continue
+        r["summary"] = summarize(r, ceiling)
+        lines += [f"| {m} | {v} | {t} |" for m, v, t in r["summary"]]
+        lines.append(f"| {kind} | (noise) machine CPUs busy, load avg at start / end | "
+                     f"{r['machine_cpus_busy']:.2f} of {info['nproc']}, "
+                     f"{r['loadavg_1m'][0]:.1f} / {r['loadavg_1m'][1]:.1f} | |")
+    notes = [
+        "",
+        "Ratios are throughput ckptfs / reference (> 1: ckptfs faster). S3 is moto on loopback:",
+        "moto copies the whole object for every range GET, so smaller ranges cost more there",
+        "(ckptfs fetches 8 MiB blocks, boto3 16 MiB parts); the file row has no such cost.",
+        "Page cache " + ("dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before each restore "
+                         "side and each cold read." if DROPPED["ok"] else
+                         "NOT dropped (--no-drop-caches or not root): the restore and cold "
+                         "figures are not cold."),
+    ]
+    table = "\n".join(lines + notes)
+    print("\n" + table + "\n", flush=True)
+    out = args.out / f"{stem}.json"
+    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    out.write_text(json.dumps({"machine": info, "options": opts, "table": table,
+                               "write_path_ceiling_nullfs_over_plain_seq1m": ceiling,
+                               "results": results}, indent=2, default=str))
+    log(f"wrote {out} in {info['wall_s']:.0f} s")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
