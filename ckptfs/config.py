@@ -185,7 +185,7 @@ class Config(_Strict):
     # Read path: missing data is fetched in aligned blocks of fetch_block_size (at least; an
     # object's own integrity blocks may be larger), fetch_concurrency range GETs at once, and
     # sequential readers get up to readahead_bytes fetched ahead of them.
-    fetch_block_size: int = Field(default=8 * 1024 * 1024, ge=64 * 1024, le=1024**3)
+    fetch_block_size: int = Field(default=16 * 1024 * 1024, ge=64 * 1024, le=1024**3)
     fetch_concurrency: int = Field(default=8, ge=1, le=256)
     readahead_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=16 * 1024**3)
     total_steps: int | None = Field(default=None, ge=1)

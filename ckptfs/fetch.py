@@ -8,8 +8,11 @@ Invariants:
 - Data is fetched in aligned blocks of ``fetch_block_size``, or of the object's integrity
   block (integrity.py) when that is larger; both are powers of two, so a fetch block holds
   whole integrity blocks, each verified on its own.
-- A block is recorded as present only after its bytes are on disk (fdatasync) and, when the
-  object has block CRCs, verified. A mismatch is fetched once more, then the read fails with
+- A block is served only once verified (when the object has block CRCs). It is recorded in
+  the journal only after its bytes are on disk: with a nursery (a mount), a flusher task
+  fdatasyncs the files fetched into and then journals their ranges, about once a second, so
+  fetching never waits for the disk; a crash before that only loses the record (the blocks
+  are fetched again). A file becomes a whole local copy only after an fdatasync. A mismatch is fetched once more, then the read fails with
   ChecksumMismatch (EIO) and is logged and counted: never wrong bytes from a verified object.
   A file assembled whole is checked against its whole-file CRC32C when it has no block CRCs.
 - Concurrent readers of one block share one fetch (and its outcome); at most
@@ -124,6 +127,7 @@ class Fetcher:
         self._ranges: dict[int, RangeSet] = {}
         self._inflight: dict[tuple[int, int], _Inflight] = {}
         self._generation: dict[int, int] = {}
+        self._unsynced: set[int] = set()  # inodes with ranges fetched but not journaled yet
         self.stats = FetchStats()
         # Readahead runs here (the mount's nursery); without one there is no readahead.
         self.nursery: trio.Nursery | None = None
@@ -152,7 +156,10 @@ class Fetcher:
         return self.ranges(row.ino).covers(0, row.size)
 
     def partial_inos(self) -> list[int]:
-        return self.journal.inos_with_ranges()
+        """Inodes with fetched ranges (journaled, or fetched since the last flush)."""
+        found = set(self.journal.inos_with_ranges())
+        found.update(ino for ino, have in self._ranges.items() if have.total())
+        return sorted(found)
 
     def prepare(self, row: Row) -> None:
         """Make the sparse staging file exist at the file's size (before the first read)."""
@@ -169,6 +176,7 @@ class Fetcher:
         self._generation[ino] = self._generation.get(ino, 0) + 1
         freed = self.ranges(ino).total()
         self._ranges.pop(ino, None)
+        self._unsynced.discard(ino)
         self.journal.set_ranges(ino, [])
         self.staging.unlink(ino)
         if freed and self._give_back:
@@ -187,6 +195,7 @@ class Fetcher:
         self._generation[ino] = self._generation.get(ino, 0) + 1
         freed = self.ranges(ino).total()
         self._ranges.pop(ino, None)
+        self._unsynced.discard(ino)
         self.journal.set_ranges(ino, [])
         if freed and self._give_back:
             self._give_back(freed)
@@ -202,7 +211,47 @@ class Fetcher:
     def completed(self, ino: int) -> None:
         """The file is wholly local and verified: its ranges are no longer needed."""
         self._ranges.pop(ino, None)
+        self._unsynced.discard(ino)
         self.journal.set_ranges(ino, [])
+
+    async def sync_file(self, ino: int) -> None:
+        """fdatasync the data file of ``ino`` (before it counts as a whole local copy)."""
+        fd = self.staging.acquire(ino)
+        try:
+            await trio.to_thread.run_sync(os.fdatasync, fd)
+        finally:
+            self.staging.release(ino, fd)
+
+    async def flush(self) -> None:
+        """Journal the ranges fetched since the last flush, once their bytes are on disk."""
+        for ino in list(self._unsynced):
+            self._unsynced.discard(ino)
+            generation = self.generation(ino)
+            if not self.staging.exists(ino):
+                continue
+            await self.sync_file(ino)
+            have = self._ranges.get(ino)
+            if have is not None and self.generation(ino) == generation:
+                self.journal.set_ranges(ino, have.spans())
+
+    def flush_now(self) -> None:
+        """The same, blocking (at unmount)."""
+        for ino in list(self._unsynced):
+            self._unsynced.discard(ino)
+            have = self._ranges.get(ino)
+            if have is None or not self.staging.exists(ino):
+                continue
+            fd = self.staging.acquire(ino)
+            try:
+                os.fdatasync(fd)
+            finally:
+                self.staging.release(ino, fd)
+            self.journal.set_ranges(ino, have.spans())
+
+    async def run_flusher(self, interval: float = 1.0) -> None:
+        while True:
+            await trio.sleep(interval)
+            await self.flush()
 
     # -- fetching ---------------------------------------------------------------------------
 
@@ -327,7 +376,8 @@ class Fetcher:
                     self.stats.fetched_bytes += got
                     self.stats.recent.append((time.monotonic(), got))
                     actual = await trio.to_thread.run_sync(
-                        _settle, fd, start, got, sums.block_size if sums else None)
+                        _settle, fd, start, got, sums.block_size if sums else None,
+                        self.nursery is None)
                     bad = None
                     if sums:
                         first = start // sums.block_size
@@ -355,7 +405,10 @@ class Fetcher:
                 return  # evicted, replaced or deleted meanwhile: the bytes are not its data
             have = self.ranges(row.ino)
             have.add(start, start + length)
-            self.journal.set_ranges(row.ino, have.spans())
+            if self.nursery is None:
+                self.journal.set_ranges(row.ino, have.spans())  # synced in _settle
+            else:
+                self._unsynced.add(row.ino)  # the flusher syncs, then journals
             recorded = True
         finally:
             if not recorded and self._give_back:
@@ -410,12 +463,13 @@ class Fetcher:
         return sum(n for t, n in self.stats.recent if now - t < window) / window
 
 
-def _settle(fd: int, offset: int, length: int, block: int | None) -> list[int]:
-    """Make fetched bytes durable before they are recorded; the CRC32C of each ``block``
-    bytes of them (none if ``block`` is None)."""
+def _settle(fd: int, offset: int, length: int, block: int | None, sync: bool) -> list[int]:
+    """The CRC32C of each ``block`` bytes just fetched (none if ``block`` is None); with
+    ``sync``, the bytes are made durable first (no flusher will)."""
     crcs = [range_crc(fd, at, min(block, offset + length - at))
             for at in range(offset, offset + length, block)] if block else []
-    os.fdatasync(fd)
+    if sync:
+        os.fdatasync(fd)
     return crcs
 
 

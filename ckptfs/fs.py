@@ -84,7 +84,7 @@ class ReadSettings:
     """How the read path talks to the warm tier (Config keys of the same names)."""
 
     metadata_ttl: float = 10.0
-    fetch_block_size: int = 8 * 1024 * 1024
+    fetch_block_size: int = 16 * 1024 * 1024
     fetch_concurrency: int = 8
     readahead_bytes: int = 64 * 1024 * 1024
     restore_days: int = 1
@@ -822,6 +822,9 @@ class Filesystem:
                 await self.fetcher.ensure(row, 0, row.size)
         if row.state is State.REMOTE and row.version == version \
                 and self.fetcher.is_complete(row):
+            await self.fetcher.sync_file(row.ino)  # a whole local copy is a durable one
+        if row.state is State.REMOTE and row.version == version \
+                and self.fetcher.is_complete(row):
             with self.journal.transaction():  # never COMMITTED with ranges left behind
                 row.state = State.COMMITTED
                 self.ns.persist(row)
@@ -967,6 +970,8 @@ class Filesystem:
 
     def close(self) -> None:
         """Persist what is dirty. Open handles are kept in the journal as OPEN (incomplete)."""
+        if self.fetcher is not None:
+            self.fetcher.flush_now()
         for fh in list(self._handles):
             handle = self._handles[fh]
             if self.ns.is_dirty(handle.ino):

@@ -142,6 +142,7 @@ async def serve(
                 nursery.start_soon(metrics.serve)
             assert fs.fetcher is not None and fs.lister is not None
             fs.fetcher.nursery = nursery  # readahead runs beside the FUSE workers
+            nursery.start_soon(fs.fetcher.run_flusher)
             fs.lister.nursery = nursery  # and listings a lookup stopped waiting for
             # The root's listing before the mount is ready: the first lookups (often a
             # writer's new files) then never wait for the store.

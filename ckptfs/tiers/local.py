@@ -29,6 +29,7 @@ import trio
 from ckptfs.errors import StoreUnavailable
 from ckptfs.tiers.base import (
     Kind,
+    LocalWriteFailed,
     ObjectInfo,
     ObjectMeta,
     ObjectMissing,
@@ -162,7 +163,26 @@ class FileTier(Tier):
             src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 done = 0
+                in_kernel = True
                 while done < length:
+                    if in_kernel:
+                        # No trip through user space (and a reflink where the filesystem can).
+                        try:
+                            n = os.copy_file_range(src, fd, length - done, offset + done,
+                                                   fd_offset + done)
+                        except OSError as exc:
+                            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                                raise LocalWriteFailed(exc.errno, f"writing fetched data "
+                                                       f"locally: {exc}") from exc
+                            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                                 errno.EOPNOTSUPP, errno.EBADF):
+                                raise
+                            in_kernel = False
+                            continue
+                        if n == 0:
+                            break
+                        done += n
+                        continue
                     chunk = os.pread(src, min(CHUNK, length - done), offset + done)
                     if not chunk:
                         break
