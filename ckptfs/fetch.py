@@ -276,16 +276,22 @@ class Fetcher:
                    if not self._has_block(row, i, unit)]
         if not missing:
             return
-        if len(missing) == 1:
-            await self._block(row, missing[0], generation)
-            return
         try:
-            async with trio.open_nursery() as nursery:
-                for index in missing:
-                    nursery.start_soon(self._block, row, index, generation)
-        except BaseExceptionGroup as group:
-            # One clear error for the caller (the others are logged where they happened).
-            raise _first(group) from None
+            if len(missing) == 1:
+                await self._block(row, missing[0], generation)
+                return
+            try:
+                async with trio.open_nursery() as nursery:
+                    for index in missing:
+                        nursery.start_soon(self._block, row, index, generation)
+            except BaseExceptionGroup as group:
+                # One clear error for the caller (the others are logged where they happened).
+                raise _first(group) from None
+        except ChecksumMismatch:
+            # A bad integrity block inside a fetch block spoils only itself: the verified
+            # blocks around it were kept, and a read of those alone succeeds.
+            if not self.covers(row, offset, stop - offset):
+                raise
 
     def _has_block(self, row: Row, index: int, unit: int) -> bool:
         return self.ranges(row.ino).covers(index * unit, min((index + 1) * unit, row.size))
@@ -398,6 +404,10 @@ class Fetcher:
                         continue
                     await self._check_replaced(row)
                     self._error(f"{what} (twice): refusing to serve it")
+                    if sums and got == length and self._current(row, generation):
+                        # The verified blocks stay (and keep their room); the rest is given
+                        # back below.
+                        need -= min(self._keep_verified(row, start, sums, actual), need)
                     raise ChecksumMismatch(what)
             finally:
                 self.staging.release(row.ino, fd)
@@ -413,6 +423,25 @@ class Fetcher:
         finally:
             if not recorded and self._give_back:
                 self._give_back(need)
+
+    def _keep_verified(self, row: Row, start: int, sums: BlockSums, crcs: list[int]) -> int:
+        """Record the integrity blocks of a failed fetch that did verify; bytes recorded.
+        (Their reservation is the caller's to settle.)"""
+        first = start // sums.block_size
+        have = self.ranges(row.ino)
+        kept = 0
+        for i, crc in enumerate(crcs):
+            if crc != sums.crcs[first + i]:
+                continue
+            a = (first + i) * sums.block_size
+            b = min(a + sums.block_size, row.size)
+            kept += b - a - have.covered_within(a, b)
+            have.add(a, b)
+        if kept:
+            self._unsynced.add(row.ino)
+            if self.nursery is None:
+                self.flush_now()
+        return kept
 
     async def _read(self, key: str, start: int, length: int, fd: int) -> int:
         for attempt in (1, 2):

@@ -382,3 +382,24 @@ async def test_writing_a_remote_file_fetches_it_first_truncating_does_not(
         await b.sync()
         assert store_named(store)["f"].body == b"HEAD" + data[4:]
         assert store_named(store)["g"].body == b"short"
+
+
+async def test_a_bad_integrity_block_spoils_only_itself(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    data = os.urandom(4 * BLOCK)
+    async with node(tmp_path / "a", store) as a:
+        await a.write("f", data)
+        await a.sync()
+    objects = store_named(store)
+    corrupt = bytearray(data)
+    corrupt[2 * BLOCK + 5] ^= 0xFF
+    objects["f"] = _Object(bytes(corrupt), objects["f"].meta)
+    # Fetch blocks of four integrity blocks: one GET brings the bad block and three good ones.
+    wide = ReadSettings(metadata_ttl=TTL, fetch_block_size=4 * BLOCK, readahead_bytes=0)
+    async with node(tmp_path / "b", store, wide) as b:
+        assert await b.read("f", 0, BLOCK) == data[:BLOCK]
+        assert await b.read("f", 3 * BLOCK, BLOCK) == data[3 * BLOCK:]
+        with pytest.raises(errors.ChecksumMismatch):
+            await b.read("f", 2 * BLOCK, 10)
+        assert b.fs.space.used == 3 * BLOCK  # the good blocks, nothing more
