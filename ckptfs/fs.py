@@ -435,12 +435,13 @@ class Filesystem:
         keys = {row.remote_key} if row.remote_key else set()
         if row.state is State.UPLOADING and row.uploading_key:
             keys.add(row.uploading_key)
-        path = self.journal.path_of(row.ino) if stat.S_ISREG(row.mode) else None
+        path = self.journal.path_of(row.ino)
         if path:
-            # Whatever the store holds at this path goes too, even if this file never got
-            # there (a file it replaced by rename, whose object it was to overwrite). The
-            # deletion skips a key a live file has committed to since.
-            keys.add(os.fsdecode(path))
+            # Whatever the store holds at this path goes too, even if this entry never got
+            # there: a file it replaced by rename, whose object it was to overwrite, or its
+            # own directory marker or symlink being put right now (the deletion waits for
+            # work on the same key, and skips a key a live entry has committed to since).
+            keys.add(os.fsdecode(path) + ("/" if stat.S_ISDIR(row.mode) else ""))
         return sorted(keys)
 
     def _forget_remote(self, row: Row, tombs: list[tuple[int, str]]) -> None:
