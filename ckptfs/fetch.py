@@ -8,13 +8,16 @@ Invariants:
 - Data is fetched in aligned blocks of ``fetch_block_size``, or of the object's integrity
   block (integrity.py) when that is larger; both are powers of two, so a fetch block holds
   whole integrity blocks, each verified on its own.
-- A block is served only once verified (when the object has block CRCs). It is recorded in
-  the journal only after its bytes are on disk: with a nursery (a mount), a flusher task
-  fdatasyncs the files fetched into and then journals their ranges, about once a second, so
-  fetching never waits for the disk; a crash before that only loses the record (the blocks
-  are fetched again). A file becomes a whole local copy only after an fdatasync. A mismatch is fetched once more, then the read fails with
-  ChecksumMismatch (EIO) and is logged and counted: never wrong bytes from a verified object.
-  A file assembled whole is checked against its whole-file CRC32C when it has no block CRCs.
+- A block is served only once verified (when the object has block CRCs). A mismatch is
+  fetched once more, then the read fails with ChecksumMismatch (EIO) and is logged and
+  counted: never wrong bytes from a verified object. The verified integrity blocks of a bad
+  fetch block are kept. A file assembled whole is checked against its whole-file CRC32C
+  when it has no block CRCs.
+- A block is recorded in the journal only after its bytes are on disk: with a nursery (a
+  mount), a flusher task fdatasyncs the files fetched into, then journals their ranges,
+  about once a second, so fetching never waits for the disk; a crash before that only loses
+  the record (the blocks are fetched again). A file becomes a whole local copy only after
+  an fdatasync.
 - Concurrent readers of one block share one fetch (and its outcome); at most
   ``concurrency`` range GETs are in flight for the whole mount.
 - Every fetched byte is reserved in the space budget first and given back when dropped.
