@@ -11,7 +11,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,49 +72,13 @@ def status(mountpoint: str | Path) -> dict[str, Any]:
     raise UserError(f"the ckptfs daemon of {mountpoint} gave no status")
 
 
-def sync(
-    mountpoint: str | Path, rel: str = "", timeout: float | None = None,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
-) -> bool:
-    """Wait until everything closed so far (under ``rel``) is committed; False on timeout."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    payload: dict[str, Any] = {"op": "sync"}
-    if rel:
-        payload["path"] = rel
-    replies: Iterator[dict[str, Any]] = control.request(
-        control_socket(mountpoint), payload, timeout=None if timeout is None else timeout + 5)
-    try:
-        for reply in replies:
-            if "error" in reply:
-                raise UserError(str(reply["error"]))
-            if reply.get("done"):
-                return True
-            if on_progress:
-                on_progress(reply)
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-    except TimeoutError:
-        return False
-    raise UserError(f"the ckptfs daemon of {mountpoint} stopped answering")
-
-
-def evict(mountpoint: str | Path, rel: str) -> dict[str, Any]:
-    """Drop local copies of committed files under ``rel``; what the daemon did."""
-    for reply in control.request(control_socket(mountpoint), {"op": "evict", "path": rel}):
-        if "error" in reply:
-            raise UserError(str(reply["error"]))
-        return reply
-    raise UserError(f"the ckptfs daemon of {mountpoint} gave no answer")
-
-
-def restore(
-    mountpoint: str | Path, rel: str, *, days: int, local: bool, poll_interval: float,
-    timeout: float | None, on_progress: Callable[[dict[str, Any]], None] | None = None,
+def _follow(
+    mountpoint: str | Path, payload: dict[str, Any], timeout: float | None,
+    on_progress: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any] | None:
-    """Restore archived files under ``rel``; the last progress, or None on timeout."""
+    """Send a streaming request and follow its progress replies to ``{"done": true}``;
+    returns the last progress reply ({} if none), or None when ``timeout`` ran out."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    payload = {"op": "restore", "path": rel, "days": days, "local": local,
-               "poll_interval": poll_interval}
     last: dict[str, Any] = {}
     try:
         for reply in control.request(control_socket(mountpoint), payload,
@@ -131,3 +95,33 @@ def restore(
     except TimeoutError:
         return None
     raise UserError(f"the ckptfs daemon of {mountpoint} stopped answering")
+
+
+def sync(
+    mountpoint: str | Path, rel: str = "", timeout: float | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> bool:
+    """Wait until everything closed so far (under ``rel``) is committed; False on timeout."""
+    payload: dict[str, Any] = {"op": "sync"}
+    if rel:
+        payload["path"] = rel
+    return _follow(mountpoint, payload, timeout, on_progress) is not None
+
+
+def evict(mountpoint: str | Path, rel: str) -> dict[str, Any]:
+    """Drop local copies of committed files under ``rel``; what the daemon did."""
+    for reply in control.request(control_socket(mountpoint), {"op": "evict", "path": rel}):
+        if "error" in reply:
+            raise UserError(str(reply["error"]))
+        return reply
+    raise UserError(f"the ckptfs daemon of {mountpoint} gave no answer")
+
+
+def restore(
+    mountpoint: str | Path, rel: str, *, days: int, local: bool, poll_interval: float,
+    timeout: float | None, on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any] | None:
+    """Restore archived files under ``rel``; the last progress, or None on timeout."""
+    payload = {"op": "restore", "path": rel, "days": days, "local": local,
+               "poll_interval": poll_interval}
+    return _follow(mountpoint, payload, timeout, on_progress)

@@ -176,14 +176,8 @@ class Fetcher:
 
     def drop(self, ino: int) -> int:
         """Forget every fetched range of ``ino`` and delete its data; returns bytes freed."""
-        self._generation[ino] = self._generation.get(ino, 0) + 1
-        freed = self.ranges(ino).total()
-        self._ranges.pop(ino, None)
-        self._unsynced.discard(ino)
-        self.journal.set_ranges(ino, [])
+        freed = self.reset(ino)
         self.staging.unlink(ino)
-        if freed and self._give_back:
-            self._give_back(freed)
         return freed
 
     def forget(self, ino: int) -> None:
@@ -192,9 +186,9 @@ class Fetcher:
         if self._ranges.get(ino) or self.journal.ranges(ino):
             self.reset(ino)
 
-    def reset(self, ino: int) -> None:
+    def reset(self, ino: int) -> int:
         """Forget the fetched ranges of ``ino`` but keep its data file (a handle has it open):
-        it is fetched again over the old bytes."""
+        it is fetched again over the old bytes. Returns the bytes given back."""
         self._generation[ino] = self._generation.get(ino, 0) + 1
         freed = self.ranges(ino).total()
         self._ranges.pop(ino, None)
@@ -202,6 +196,7 @@ class Fetcher:
         self.journal.set_ranges(ino, [])
         if freed and self._give_back:
             self._give_back(freed)
+        return freed
 
     async def settle(self, ino: int) -> None:
         """Wait until no fetch of ``ino`` is in flight."""
