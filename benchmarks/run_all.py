@@ -83,6 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ckptfs-src", type=Path, default=HERE.parent,
                    help="directory holding the ckptfs package to benchmark (default: this "
                         "working tree)")
+    p.add_argument("--store-dir", type=Path,
+                   help="Q1: where the simulated shared store keeps its bytes [a fresh dir on "
+                        "/dev/shm if it has room, else in the work dir]: a shared store's "
+                        "writes do not land on the node's own disk")
     p.add_argument("--store-bw", type=float, default=100e6,
                    help="Q1: bandwidth of the slow shared store, bytes/s")
     g = p.add_argument_group("sizes (MiB); --quick replaces every default with a tiny one")

@@ -181,6 +181,9 @@ class Config(_Strict):
     staging_max_bytes: int | None = Field(default=None, ge=1)
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
     write_stall_timeout: Duration = timedelta(minutes=5)
+    # Write-only opens bypass the kernel page cache of the mount: one copy fewer per byte
+    # (docs/SEMANTICS.md, "Page cache").
+    write_direct_io: bool = True
     metadata_ttl: Duration = timedelta(seconds=10)
     # Read path: missing data is fetched in aligned blocks of fetch_block_size (at least; an
     # object's own integrity blocks may be larger), fetch_concurrency range GETs at once, and

@@ -73,6 +73,8 @@ class Handle:
     ino: int
     fd: int | None
     writable: bool
+    # Opened write-only with write_direct_io: the kernel sends writes straight to us.
+    direct_io: bool = False
     # Sequential-read detection for readahead: where the next read would start, and how far
     # ahead of it blocks are being fetched (doubles while the reader stays sequential).
     next_offset: int = 0
@@ -170,7 +172,7 @@ class Filesystem:
         self, journal: Journal, staging: Staging, *, unlink_remote: bool = True,
         fsync_remote: bool = False, space: SpaceBudget | None = None,
         tier: Tier | None = None, read: ReadSettings = ReadSettings(),
-        write_stall_timeout: float = 300.0,
+        write_stall_timeout: float = 300.0, write_direct_io: bool = False,
     ) -> None:
         self.journal = journal
         self.listener: ChangeListener = _NoListener()
@@ -178,6 +180,7 @@ class Filesystem:
         self.read_settings = read
         self.mountpoint = ""  # for messages that name a path the user can type
         self.write_stall_timeout = write_stall_timeout
+        self.write_direct_io = write_direct_io
         self.stall_seconds = 0.0
         self.bytes_written = 0  # through write() since the mount (metrics)
         # unlink = "local-only" leaves remote copies to retention; fsync = "remote" waits for
@@ -554,7 +557,7 @@ class Filesystem:
             if not self._writers.get(ino):
                 self._mark_staged(row)
             self.ns.persist(row)
-        return self._new_handle(row, fd, writable)
+        return self._new_handle(row, fd, writable, flags)
 
     def create(
         self, parent: int, name: bytes, mode: int, flags: int, caller: Caller
@@ -571,14 +574,23 @@ class Filesystem:
             self._writers[row.ino] = 1
         else:
             self.listener.inode_changed(row.ino)  # created empty and closed: upload it
-        return self._new_handle(row, self.staging.acquire(row.ino), writable), row
+        return self._new_handle(row, self.staging.acquire(row.ino), writable, flags), row
 
-    def _new_handle(self, row: Row, fd: int, writable: bool) -> int:
+    def _new_handle(self, row: Row, fd: int, writable: bool, flags: int) -> int:
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(row.ino, fd, writable)
+        # Only write-only opens: such a descriptor cannot be mmapped (which direct I/O would
+        # refuse) and is not read through, so the cache gives it nothing. The kernel drops
+        # cached pages that a direct write overwrites, so readers on other descriptors stay
+        # coherent (tests/test_write_direct_io.py).
+        direct = self.write_direct_io and (flags & os.O_ACCMODE) == os.O_WRONLY
+        self._handles[fh] = Handle(row.ino, fd, writable, direct)
         self.ns.pin(row.ino)
         return fh
+
+    def direct_io(self, fh: int) -> bool:
+        """Whether the kernel should bypass its page cache for this handle."""
+        return self._handle(fh).direct_io
 
     def _handle(self, fh: int) -> Handle:
         try:

@@ -158,14 +158,15 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
-        return pyfuse3.FileInfo(fh=await self.fs.open(inode, flags))
+        fh = await self.fs.open(inode, flags)
+        return pyfuse3.FileInfo(fh=fh, direct_io=self.fs.direct_io(fh))
 
     @_translate_errors
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[Any, Any]:
         fh, row = self.fs.create(parent_inode, name, mode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh), self._entry(row)
+        return pyfuse3.FileInfo(fh=fh, direct_io=self.fs.direct_io(fh)), self._entry(row)
 
     @_translate_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:

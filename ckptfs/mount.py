@@ -108,6 +108,7 @@ async def serve(
             space=SpaceBudget(staging, config.staging_max_bytes, config.staging_min_free_ratio),
             tier=tier, read=read_settings(config),
             write_stall_timeout=config.write_stall_timeout.total_seconds(),
+            write_direct_io=config.write_direct_io,
         )
         fs.start()
         fs.mountpoint = str(mountpoint)

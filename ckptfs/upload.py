@@ -416,14 +416,10 @@ class Uploader:
             observe(time.monotonic() - started, size)
         log.debug("uploaded %s (%d bytes) in %.2fs", key, size, time.monotonic() - started)
         old_key = row.remote_key
-        try:
-            row = self.ns.get(row.ino)
-        except NotFound:
-            row = None  # type: ignore[assignment]
-        if row is None or self.journal.path_of(row.ino) is None:
-            # Removed while uploading: what we just wrote must not outlive it.
-            await self.tier.delete(key)
+        live = await self._still_there(row.ino, key)
+        if live is None:
             return
+        row = live
         row.remote_key = key
         row.uploading_key = None
         if row.version == version and row.state is State.UPLOADING:
@@ -467,11 +463,36 @@ class Uploader:
             self._retire(old_key)
         self.stats.moved += 1
 
+    async def _still_there(self, ino: int, key: str) -> Row | None:
+        """After a put to ``key``: the entry's row, or None if it was removed meanwhile. Then
+        what we just wrote must go now (the tombstone of its path may already have run, and a
+        listing would bring the entry back), unless a live entry has been committed at ``key``
+        since (a new file at the same path)."""
+        try:
+            row = self.ns.get(ino)
+        except NotFound:
+            row = None
+        if row is not None and self.journal.path_of(ino) is not None:
+            return row
+        if self.journal.holder_of(key) is None:
+            await self.tier.delete(key)
+            self.stats.deleted += 1
+        return None
+
     def _retire(self, key: str) -> None:
         """An old copy at ``key`` is no longer needed: a tombstone, in the caller's transaction
         (journal first: a crash before the deletion redoes it)."""
         tomb_id = self.journal.add_tombstone(key)
         self.tombstone_added(tomb_id, key)
+
+    @staticmethod
+    def _entry_meta(row: Row) -> ObjectMeta:
+        is_dir = stat.S_ISDIR(row.mode)
+        return ObjectMeta(
+            Kind.DIRECTORY if is_dir else Kind.SYMLINK,
+            stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
+            target=None if is_dir else os.fsdecode(row.target or b""),
+        )
 
     async def _put_entry(self, row: Row, key: str) -> None:
         is_dir = stat.S_ISDIR(row.mode)
@@ -479,15 +500,16 @@ class Uploader:
         if row.state is State.COMMITTED and row.remote_key == target_key:
             return
         self._supersede(target_key)
-        meta = ObjectMeta(
-            Kind.DIRECTORY if is_dir else Kind.SYMLINK,
-            stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
-            target=None if is_dir else os.fsdecode(row.target or b""),
-        )
+        meta = self._entry_meta(row)
         await self.tier.put_entry(target_key, meta)
+        live = await self._still_there(row.ino, target_key)
+        if live is None:
+            return
+        row = live
         old_key = row.remote_key
         row.remote_key = target_key
-        row.state = State.COMMITTED
+        # A chmod/chown/touch while it was being put leaves it STAGED: it is put once more.
+        row.state = State.COMMITTED if self._entry_meta(row) == meta else State.STAGED
         row.tiers = self.tier.name
         row.committed_at = time.time()
         with self.journal.transaction():
@@ -495,3 +517,5 @@ class Uploader:
             if old_key and old_key != target_key:
                 # Deleted once its old children are (retried until it is empty).
                 self._retire(old_key)
+        if row.state is State.STAGED or os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
+            self.inode_changed(row.ino)  # changed or renamed while being put: put it again

@@ -315,10 +315,9 @@ def nullfs_mount(base: Path, name: str, *args: str) -> Iterator[NullfsMount]:
 
 
 @contextmanager
-def slow_store(base: Path, name: str, bandwidth: float) -> Iterator[Path]:
-    """A slow shared filesystem: nullfs landing every byte in a backing dir, at most
+def slow_store(base: Path, name: str, bandwidth: float, backing: Path) -> Iterator[Path]:
+    """A slow shared filesystem: nullfs landing every byte in ``backing``, at most
     ``bandwidth`` bytes/s of writes for the whole mount. Yields the mount point."""
-    backing = base / f"{name}-backing"
     backing.mkdir(parents=True, exist_ok=True)
     with nullfs_mount(base, name, "--backing-dir", str(backing),
                       "--bandwidth", str(bandwidth)) as m:
