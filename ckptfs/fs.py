@@ -436,7 +436,7 @@ class Filesystem:
         if not self.unlink_remote:
             return []
         keys = {row.remote_key} if row.remote_key else set()
-        if row.state is State.UPLOADING and row.uploading_key:
+        if row.uploading_key:  # an upload or a move on its way
             keys.add(row.uploading_key)
         path = self.journal.path_of(row.ino)
         if path:

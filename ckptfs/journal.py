@@ -151,6 +151,11 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._in_tx = False
+        # Keys tombstoned recently, with a sequence number (memory only): a listing answered
+        # before a deletion but merged after it, when the tombstone is gone, must still not
+        # bring the key back (``tombstoned_since``).
+        self._tomb_seq = 0
+        self._recent_tombs: dict[str, int] = {}
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -409,7 +414,22 @@ class Journal:
     def add_tombstone(self, key: str) -> int:
         cur = self._db.execute("INSERT INTO tombstones (key) VALUES (?)", (key,))
         assert cur.lastrowid is not None
+        self._tomb_seq += 1
+        self._recent_tombs[key] = self._tomb_seq
         return cur.lastrowid
+
+    def tombstone_mark(self) -> int:
+        """A point in the sequence of tombstones: take it before asking the store."""
+        return self._tomb_seq
+
+    def tombstoned_since(self, prefix: str, mark: int) -> set[str]:
+        """Keys under ``prefix`` tombstoned after ``mark``, deleted since or not."""
+        return {key for key, seq in self._recent_tombs.items()
+                if seq > mark and key.startswith(prefix)}
+
+    def forget_tombstones_upto(self, mark: int) -> None:
+        """No listing started before ``mark`` is still on its way: older entries can go."""
+        self._recent_tombs = {k: s for k, s in self._recent_tombs.items() if s > mark}
 
     def tombstones(self) -> list[tuple[int, str]]:
         return [(r[0], r[1]) for r in self._db.execute("SELECT id, key FROM tombstones ORDER BY id")]

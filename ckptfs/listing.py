@@ -20,8 +20,10 @@ writing) wins over the store: local changes are never undone by a listing.
 Invariants:
 - Names from the store that are not a valid single path component (empty, ``.``, ``..``,
   ``/`` or NUL inside, over 255 bytes) are refused and logged, never mapped into the tree.
-- Keys with a pending deletion (tombstone), hidden by ``unlink = "local-only"``, or held by
-  another entry (a rename not carried to the store yet) do not come back as new entries.
+- Keys with a pending deletion (tombstone), deleted while the listing was on its way (the
+  store may have answered before the deletion), hidden by ``unlink = "local-only"``, or held
+  by another entry (a rename or a copy not carried to the store yet) do not come back as new
+  entries.
 - A listing that fails (store down) leaves the local view as it is: lookups and ``ls`` keep
   answering from the journal; it is retried at the next access after a short delay.
 - The store never holds up the write path for long: a directory listed before (or created
@@ -91,6 +93,7 @@ class Lister:
         self._listed: set[int] = set()  # listed once since the mount, or created here
         self._failed: set[int] = set()  # whose last listing failed (the store was down)
         self._inflight: dict[int, trio.Event] = {}
+        self._marks: list[int] = []  # the tombstone marks of the listings on their way
         # Where refreshes run so that a lookup can stop waiting for one (the mount's nursery);
         # without one they run in the caller.
         self.nursery: trio.Nursery | None = None
@@ -160,6 +163,17 @@ class Lister:
             return True
         prefix = os.fsdecode(path) + "/" if path else ""
         started = time.time()
+        mark = self.journal.tombstone_mark()
+        self._marks.append(mark)
+        try:
+            return await self._merge(directory, path, prefix, started, mark)
+        finally:
+            self._marks.remove(mark)
+            self.journal.forget_tombstones_upto(
+                min(self._marks, default=self.journal.tombstone_mark()))
+
+    async def _merge(self, directory: Row, path: bytes, prefix: str, started: float,
+                     mark: int) -> bool:
         try:
             entries = await self.tier.list_dir(prefix)
         except (StoreUnavailable, TierError) as exc:
@@ -179,7 +193,10 @@ class Lister:
         if self.journal.path_of(directory.ino) != path:
             return True  # moved or removed while we listed: this listing says nothing of it
         local = self._children(directory)
-        skip = self.journal.hidden_under(prefix) | self.journal.tombstoned_under(prefix)
+        # Deleted, being deleted, or deleted while this listing was on its way (the store
+        # may have answered before the deletion).
+        skip = (self.journal.hidden_under(prefix) | self.journal.tombstoned_under(prefix)
+                | self.journal.tombstoned_since(prefix, mark))
         for key, ino in self.journal.claimed_under(prefix).items():
             held = local.get(os.fsencode(key[len(prefix):].removesuffix("/")))
             if held is None or held.ino != ino:

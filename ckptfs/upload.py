@@ -441,6 +441,10 @@ class Uploader:
         old_key = row.remote_key
         assert old_key is not None
         self._supersede(key)
+        # Claimed while the copy is on its way: a listing meanwhile must not take the new key
+        # for another node's file (and a crash leaves it to requeue_from_journal).
+        row.uploading_key = key
+        self.ns.persist(row)
         try:
             # Only move what is ours: another file may have been written at the old key since
             # (a rename over it, an exchange), or it was deleted behind our back.
@@ -454,10 +458,16 @@ class Uploader:
                 raise
             row.state = State.STAGED  # upload it again from the local copy
             row.remote_key = None
+            row.uploading_key = None
             self.ns.persist(row)
             self.inode_changed(row.ino)
             return
+        live = await self._still_there(row.ino, key)
+        if live is None:
+            return  # removed meanwhile: its unlink tombstoned the old key
+        row = live
         row.remote_key = key
+        row.uploading_key = None
         with self.journal.transaction():
             self.ns.persist(row)
             self._retire(old_key)

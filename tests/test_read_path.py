@@ -25,7 +25,7 @@ from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.staging import Staging
-from ckptfs.tiers.base import Kind, ObjectMeta
+from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier, _Object, store_named
 
@@ -403,3 +403,67 @@ async def test_a_bad_integrity_block_spoils_only_itself(
         with pytest.raises(errors.ChecksumMismatch):
             await b.read("f", 2 * BLOCK, 10)
         assert b.fs.space.used == 3 * BLOCK  # the good blocks, nothing more
+
+
+async def test_a_listing_answered_before_a_deletion_does_not_bring_it_back(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """The store answers a listing, then the entry is removed here and its object deleted
+    (tombstone gone) before the listing is merged: the stale answer must not resurrect it."""
+    async with node(tmp_path / "a", store) as a:
+        await a.write("gone", b"1")
+        a.fs.mkdir(ROOT_INODE, b"h", 0o755, ROOT_CALLER)
+        await a.sync()
+        answered, merge = trio.Event(), trio.Event()
+        list_dir = a.tier.list_dir
+
+        async def stale_list_dir(prefix: str) -> list[ObjectInfo]:
+            entries = await list_dir(prefix)
+            if prefix == "":  # the root's: rmdir lists "h/" itself first
+                answered.set()
+                await merge.wait()
+            return entries
+
+        a.tier.list_dir = stale_list_dir  # type: ignore[method-assign]
+        await trio.sleep(TTL + 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.names)
+            await answered.wait()
+            await a.fs.unlink(ROOT_INODE, b"gone")
+            await a.fs.rmdir(ROOT_INODE, b"h")
+            await a.sync()
+            assert "gone" not in store_named(store) and "h/" not in store_named(store)
+            merge.set()
+        a.tier.list_dir = list_dir  # type: ignore[method-assign]
+        assert await a.names() == []
+
+
+async def test_a_listing_during_a_move_does_not_take_its_new_key_for_a_new_entry(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """A rename's server-side copy has landed and the file is renamed again before the move
+    finishes: a listing meanwhile sees the copy, which is nobody's new file."""
+    async with node(tmp_path / "a", store) as a:
+        await a.write("e", b"data")
+        await a.sync()
+        copied, finish = trio.Event(), trio.Event()
+        copy = a.tier.copy
+
+        async def paused_copy(src: str, dst: str) -> None:
+            await copy(src, dst)
+            copied.set()
+            await finish.wait()
+
+        a.tier.copy = paused_copy  # type: ignore[method-assign]
+        await a.fs.rename(ROOT_INODE, b"e", ROOT_INODE, b"c", 0)
+        await copied.wait()
+        assert "c" in store_named(store)
+        await a.fs.rename(ROOT_INODE, b"c", ROOT_INODE, b"f", 0)
+        await trio.sleep(TTL + 1)
+        assert await a.names() == ["f"]
+        finish.set()
+        await a.sync()
+        a.tier.copy = copy  # type: ignore[method-assign]
+        assert await a.names() == ["f"]
+        assert sorted(k for k in store_named(store)) == ["f"]
+        assert await a.read("f") == b"data"

@@ -7,7 +7,8 @@ Invariants:
   translated at this boundary into StoreUnavailable (transient), ObjectMissing,
   ObjectArchived or TierError (permanent).
 - Files up to ``part_size`` are one PutObject; larger ones a multipart upload whose parts are
-  read from the staging file as they are sent (memory: part_size x part_concurrency). A
+  streamed from the staging file as botocore sends them (``_PartReader``: no part is held in
+  memory, so the daemon's size does not grow with part_size x parts in flight). A
   multipart upload that fails or is cancelled is aborted; ``cleanup`` aborts the ones a crash
   left behind for keys this node owns.
 - botocore sends an integrity checksum with every PutObject/UploadPart (when_supported), and
@@ -17,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import builtins
+import io
 import logging
 import os
 from collections.abc import Callable
@@ -47,6 +49,43 @@ _TRANSIENT_CODES = {
     "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
 }
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+
+
+class _PartReader(io.RawIOBase):
+    """``length`` bytes of ``fd`` from ``offset``, as a seekable read-only file: botocore reads
+    it once for the checksum and again to send it (and rewinds it to retry), in small chunks,
+    with pread, so no whole part is ever in memory and the fd's position is never used."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return self._length
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = min(max(0, base + pos), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[:self._length - self._pos]
+        if not view:
+            return 0
+        n = os.preadv(self._fd, [view], self._offset + self._pos)
+        if n == 0:
+            raise TierError(f"staging file shorter than expected at {self._offset + self._pos}")
+        self._pos += n
+        return n
 
 
 class S3Tier(Tier):
@@ -189,7 +228,7 @@ class S3Tier(Tier):
 
         def send(number: int) -> str:
             offset = (number - 1) * self.part_size
-            body = os.pread(fd, min(self.part_size, size - offset), offset)
+            body = _PartReader(fd, offset, min(self.part_size, size - offset))
             reply = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id,
                                             PartNumber=number, Body=body)
             return str(reply["ETag"])
