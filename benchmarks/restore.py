@@ -58,14 +58,11 @@ asserted: the script prints a markdown table and writes every raw number to ``--
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,6 +83,7 @@ from questions.common import (
     ckptfs_config,
     ckptfs_mount,
     log,
+    machine,
     moto_server,
     nullfs_mount,
     write_file,
@@ -472,22 +470,6 @@ def write_ceiling_ratio() -> float | None:
         return float(seq["nullfs"]["mb_per_s"] / seq["plain"]["mb_per_s"])
     except (OSError, ValueError, KeyError):
         return None
-
-
-def machine() -> dict[str, Any]:
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                         text=True, check=False).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "ckptfs"], cwd=HERE.parent,
-                                capture_output=True, text=True, check=False).stdout.strip())
-    return {"date": dt.datetime.now().isoformat(timespec="seconds"), "nproc": os.cpu_count(),
-            "mem_gib": round(mem / 2**30, 1), "kernel": platform.release(),
-            "python": platform.python_version(), "git": git, "ckptfs_dirty": dirty,
-            "loadavg_start": os.getloadavg()}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

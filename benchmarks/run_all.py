@@ -33,14 +33,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import json
 import os
-import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # questions.*, write_path, upload
 
-from questions.common import Bench, log
+from questions.common import Bench, log, machine
 from write_path import machine_busy_s
 
 QUESTIONS = {
@@ -124,47 +121,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown question(s) {unknown}; choose from {', '.join(QUESTIONS)}")
     return a
-
-
-def machine() -> dict[str, Any]:
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    cpu = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    out: dict[str, Any] = {
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(), "mem_gib": round(mem / 2**30, 1), "cpu": cpu,
-        "kernel": platform.release(), "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(),
-    }
-    from questions import common
-
-    out["ckptfs_src"] = str(common.CKPTFS_SRC)
-    out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                capture_output=True, text=True, check=False).stdout.strip()
-    if common.CKPTFS_SRC == HERE.parent:  # uncommitted changes to the package benchmarked?
-        out["ckptfs_dirty"] = bool(subprocess.run(
-            ["git", "status", "--porcelain", "ckptfs"], cwd=HERE.parent, capture_output=True,
-            text=True, check=False).stdout.strip())
-    for mod in ("torch", "pyfuse3", "trio", "boto3", "moto"):
-        try:
-            out[mod] = importlib.import_module(mod).__version__
-        except Exception as exc:  # noqa: BLE001 (a version is nice to have)
-            out[mod] = f"unavailable: {type(exc).__name__}"
-    from questions.common import rclone_binary
-
-    exe = rclone_binary()
-    if exe:
-        out["rclone"] = subprocess.run([exe, "version"], capture_output=True, text=True,
-                                       check=False).stdout.split("\n", 1)[0]
-    return out
 
 
 def print_table(results: dict[str, Any], info: dict[str, Any], quick: bool) -> str:

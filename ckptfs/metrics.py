@@ -46,60 +46,52 @@ class _DaemonCollector(Collector):
         fs, stats = control.fs, control.uploader.stats
         status = control.status()
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
-
         info = GaugeMetricFamily("ckptfs_info", "The mount this daemon serves (always 1).",
                                  labels=["version", "mountpoint", "warm_tier"])
         info.add_metric([__version__, str(control.mountpoint), control.tier_url], 1)
         yield info
-        yield counter("ckptfs_written_bytes", "Bytes written by applications.",
-                      fs.bytes_written)
-        yield counter("ckptfs_uploaded_bytes", "Bytes uploaded to the warm tier.",
-                      stats.uploaded_bytes)
-        yield counter("ckptfs_uploaded_files", "Files uploaded to the warm tier.",
-                      stats.uploaded_files)
-        yield counter("ckptfs_moved_files", "Files moved on the warm tier (renames).",
-                      stats.moved)
-        yield counter("ckptfs_deleted_objects", "Objects deleted from the warm tier.",
-                      stats.deleted)
-        yield counter("ckptfs_upload_retries", "Failed warm-tier operations (each is retried).",
-                      stats.retries)
-        yield counter("ckptfs_upload_failures",
-                      "Failed warm-tier operations whose error is not transient.",
-                      stats.failures)
-        fetch = status["fetch"]
-        yield counter("ckptfs_fetched_bytes", "Bytes fetched from the warm tier by reads.",
-                      fetch["bytes"])
-        yield counter("ckptfs_fetch_failures", "Fetches that failed their checksum.",
-                      fetch["failures"])
-        yield counter("ckptfs_write_stall_seconds",
-                      "Time writers waited for staging space.", fs.stall_seconds)
-        queue = status["queue"]
-        yield gauge("ckptfs_queue_files", "Closed files not yet committed to the warm tier.",
-                    queue["files"])
-        yield gauge("ckptfs_queue_bytes", "Bytes of closed files not yet committed.",
-                    queue["bytes"])
-        yield gauge("ckptfs_queue_items",
-                    "Work items of the uploader (uploads, moves, deletions) outstanding.",
-                    queue["work_items"])
-        yield gauge("ckptfs_failing_items", "Work items whose last attempt failed.",
-                    len(status["failed"]))
-        yield gauge("ckptfs_incomplete_files",
-                    "Files whose writer never closed them (kept locally, never uploaded).",
-                    len(status["incomplete"]))
-        staging = status["staging"]
-        yield gauge("ckptfs_staging_used_bytes", "Bytes of file data held on local NVMe.",
-                    staging["used_bytes"])
-        yield gauge("ckptfs_staging_free_bytes", "Free bytes on the staging filesystem.",
-                    staging["free_bytes"])
-        yield gauge("ckptfs_staging_size_bytes", "Size of the staging filesystem.",
-                    staging["total_bytes"])
-        yield gauge("ckptfs_upload_rate_bytes_per_second",
-                    "Upload throughput over the last minute.", status["upload_rate_bytes_per_s"])
+        fetch, queue, staging = status["fetch"], status["queue"], status["staging"]
+        counters = (
+            ("ckptfs_written_bytes", "Bytes written by applications.", fs.bytes_written),
+            ("ckptfs_uploaded_bytes", "Bytes uploaded to the warm tier.", stats.uploaded_bytes),
+            ("ckptfs_uploaded_files", "Files uploaded to the warm tier.", stats.uploaded_files),
+            ("ckptfs_moved_files", "Files moved on the warm tier (renames).", stats.moved),
+            ("ckptfs_deleted_objects", "Objects deleted from the warm tier.", stats.deleted),
+            ("ckptfs_upload_retries", "Failed warm-tier operations (each is retried).",
+             stats.retries),
+            ("ckptfs_upload_failures",
+             "Failed warm-tier operations whose error is not transient.", stats.failures),
+            ("ckptfs_fetched_bytes", "Bytes fetched from the warm tier by reads.",
+             fetch["bytes"]),
+            ("ckptfs_fetch_failures", "Fetches that failed their checksum.", fetch["failures"]),
+            ("ckptfs_write_stall_seconds", "Time writers waited for staging space.",
+             fs.stall_seconds),
+        )
+        gauges = (
+            ("ckptfs_queue_files", "Closed files not yet committed to the warm tier.",
+             queue["files"]),
+            ("ckptfs_queue_bytes", "Bytes of closed files not yet committed.", queue["bytes"]),
+            ("ckptfs_queue_items",
+             "Work items of the uploader (uploads, moves, deletions) outstanding.",
+             queue["work_items"]),
+            ("ckptfs_failing_items", "Work items whose last attempt failed.",
+             len(status["failed"])),
+            ("ckptfs_incomplete_files",
+             "Files whose writer never closed them (kept locally, never uploaded).",
+             len(status["incomplete"])),
+            ("ckptfs_staging_used_bytes", "Bytes of file data held on local NVMe.",
+             staging["used_bytes"]),
+            ("ckptfs_staging_free_bytes", "Free bytes on the staging filesystem.",
+             staging["free_bytes"]),
+            ("ckptfs_staging_size_bytes", "Size of the staging filesystem.",
+             staging["total_bytes"]),
+            ("ckptfs_upload_rate_bytes_per_second", "Upload throughput over the last minute.",
+             status["upload_rate_bytes_per_s"]),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 class MetricsServer:

@@ -10,8 +10,11 @@ Nothing here asserts a figure: the questions measure, the runner prints.
 
 from __future__ import annotations
 
+import datetime as dt
+import importlib
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -322,6 +325,44 @@ def slow_store(base: Path, name: str, bandwidth: float, backing: Path) -> Iterat
     with nullfs_mount(base, name, "--backing-dir", str(backing),
                       "--bandwidth", str(bandwidth)) as m:
         yield m.path
+
+
+def machine() -> dict[str, Any]:
+    """The machine, the software and the ckptfs commit a run measured (for its JSON)."""
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    cpu = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    out: dict[str, Any] = {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(), "mem_gib": round(mem / 2**30, 1), "cpu": cpu,
+        "kernel": platform.release(), "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+    }
+    out["ckptfs_src"] = str(CKPTFS_SRC)
+    out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH,
+                                capture_output=True, text=True, check=False).stdout.strip()
+    if CKPTFS_SRC == REPO:  # uncommitted changes to the package benchmarked?
+        out["ckptfs_dirty"] = bool(subprocess.run(
+            ["git", "status", "--porcelain", "ckptfs"], cwd=REPO, capture_output=True,
+            text=True, check=False).stdout.strip())
+    for mod in ("torch", "pyfuse3", "trio", "boto3", "moto"):
+        try:
+            out[mod] = importlib.import_module(mod).__version__
+        except Exception as exc:  # noqa: BLE001 (a version is nice to have)
+            out[mod] = f"unavailable: {type(exc).__name__}"
+    exe = rclone_binary()
+    if exe:
+        out["rclone"] = subprocess.run([exe, "version"], capture_output=True, text=True,
+                                       check=False).stdout.split("\n", 1)[0]
+    return out
 
 
 # -- rclone ---------------------------------------------------------------------------------
