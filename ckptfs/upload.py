@@ -212,7 +212,9 @@ class Uploader:
             assert row.uploading_key is not None
             self._interrupted_keys.add(row.uploading_key)
             path = self.journal.path_of(row.ino)
-            moved = path is None or os.fsdecode(path) != row.uploading_key
+            here = None if path is None else \
+                os.fsdecode(path) + ("/" if stat.S_ISDIR(row.mode) else "")
+            moved = here != row.uploading_key
             if moved and row.remote_key != row.uploading_key:
                 self._retire(row.uploading_key)
             row.uploading_key = None
@@ -511,6 +513,10 @@ class Uploader:
             return
         self._supersede(target_key)
         meta = self._entry_meta(row)
+        # Claimed while the put is on its way: should the entry be renamed meanwhile, a
+        # listing must not take the object for a new entry at the old name.
+        row.uploading_key = target_key
+        self.ns.persist(row)
         await self.tier.put_entry(target_key, meta)
         live = await self._still_there(row.ino, target_key)
         if live is None:
@@ -518,6 +524,7 @@ class Uploader:
         row = live
         old_key = row.remote_key
         row.remote_key = target_key
+        row.uploading_key = None
         # A chmod/chown/touch while it was being put leaves it STAGED: it is put once more.
         row.state = State.COMMITTED if self._entry_meta(row) == meta else State.STAGED
         row.tiers = self.tier.name

@@ -467,3 +467,31 @@ async def test_a_listing_during_a_move_does_not_take_its_new_key_for_a_new_entry
         assert await a.names() == ["f"]
         assert sorted(k for k in store_named(store)) == ["f"]
         assert await a.read("f") == b"data"
+
+
+async def test_a_listing_during_a_symlink_put_does_not_keep_its_old_name(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """A symlink (or directory marker) is renamed while its put is on its way: the object at
+    the old name is nobody's new entry, and ends up deleted."""
+    async with node(tmp_path / "a", store) as a:
+        landed, finish = trio.Event(), trio.Event()
+        put_entry = a.tier.put_entry
+
+        async def paused_put_entry(key: str, meta: ObjectMeta) -> None:
+            await put_entry(key, meta)
+            if key == "g":
+                landed.set()
+                await finish.wait()
+
+        a.tier.put_entry = paused_put_entry  # type: ignore[method-assign]
+        a.fs.symlink(ROOT_INODE, b"g", b"target", ROOT_CALLER)
+        await landed.wait()
+        await a.fs.rename(ROOT_INODE, b"g", ROOT_INODE, b"b", 0)
+        await trio.sleep(TTL + 1)
+        assert await a.names() == ["b"]
+        finish.set()
+        await a.sync()
+        assert await a.names() == ["b"]
+        assert sorted(store_named(store)) == ["b"]
+        assert a.fs.readlink((await a.resolve("b")).ino) == b"target"
