@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import trio.testing
 
-from tests.mounting import Mounter
+from tests.mounting import Mounter, mounter_in
 from tests.s3bucket import Bucket
 from tests.s3server import S3Server, start_server
 
@@ -27,11 +27,8 @@ def autojump_clock() -> trio.testing.MockClock:
 
 @pytest.fixture
 def mounter(tmp_path: Path) -> Iterator[Mounter]:
-    m = Mounter(tmp_path)
-    try:
+    with mounter_in(tmp_path) as m:
         yield m
-    finally:
-        m.teardown()
 
 
 @pytest.fixture(scope="session")

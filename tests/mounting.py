@@ -6,13 +6,17 @@ unmounted in teardown (``fusermount3 -u -z``), even when the test failed or kill
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
@@ -21,7 +25,7 @@ def ckptfs(*args: str | os.PathLike[str], check: bool = True, timeout: float = 3
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the real CLI; returns the completed process (stdout/stderr as text)."""
     done = subprocess.run(
-        [*CKPTFS, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        [*CKPTFS, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False,
         env=env, stdin=subprocess.DEVNULL,
     )
     if check and done.returncode != 0:
@@ -71,7 +75,8 @@ class Mount:
             except FileNotFoundError:
                 break
             time.sleep(0.02)
-        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True,
+                       check=False)
 
     def remount(self) -> None:
         args: list[str | os.PathLike[str]] = ["mount", self.path, "--staging", self.staging]
@@ -108,6 +113,74 @@ class Mounter:
         for m in self.mounts:
             if is_mounted(m.path):
                 subprocess.run(CKPTFS + ["umount", str(m.path), "--timeout", "30"],
-                               capture_output=True, timeout=120)
+                               capture_output=True, timeout=120, check=False)
             if is_mounted(m.path):
-                subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
+                subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True,
+                               check=False)
+
+
+def status(m: Mount) -> dict[str, Any]:
+    """``ckptfs status MP --json``, parsed."""
+    return json.loads(ckptfs("status", m.path, "--json").stdout)  # type: ignore[no-any-return]
+
+
+def sync(m: Mount, timeout: float = 120) -> None:
+    """``ckptfs sync MP --timeout T``: every upload of the mount done within ``timeout``."""
+    ckptfs("sync", m.path, "--timeout", str(timeout), timeout=timeout + 30)
+
+
+@contextlib.contextmanager
+def mounter_in(base: Path) -> Iterator[Mounter]:
+    """A ``Mounter`` under ``base`` whose mounts are all torn down on exit."""
+    m = Mounter(base)
+    try:
+        yield m
+    finally:
+        m.teardown()
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 30,
+             every: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something true and return that; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+def daemon_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, zombie or dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_dead(pid: int, timeout: float = 30, every: float = 0.01) -> None:
+    """Wait until the daemon ``pid`` has exited; fail if it still runs after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon_gone(pid):
+            return
+        time.sleep(every)
+    raise AssertionError(f"daemon {pid} still running after {timeout}s")
+
+
+def tiers_config(path: Path, url: str, /, *warm: str, faults: dict[str, Any] | None = None,
+                 **top: Any) -> Path:
+    """Write a config file: ``top`` keys, a hot tier, the warm tier at ``url`` (more ``warm``
+    lines, optionally faulty)."""
+    lines = [*(f"{k} = {json.dumps(v)}" for k, v in top.items()), "",
+             "[[tier]]", 'name = "hot"', "", "[[tier]]", 'name = "warm"', f'url = "{url}"',
+             *warm]
+    if faults:
+        lines += ["", "[tier.faults]"]
+        lines += [f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}"
+                  for k, v in faults.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

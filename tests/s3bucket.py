@@ -3,13 +3,13 @@ reader of the store sees it (the ``bucket`` fixture in conftest.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import crc32c
 
+from tests.mounting import tiers_config
 from tests.s3server import S3Server
 
 MiB = 1024 * 1024
@@ -33,27 +33,13 @@ class Bucket:
                log_level: str = "info", **settings: Any) -> Path:
         """A config file: hot tier + this bucket as the warm tier (optionally faulty); other
         top-level keys (``metadata_ttl="1s"``...) from ``settings``."""
-        lines = [
-            f"upload_concurrency = {upload_concurrency}",
-            f'log_level = "{log_level}"',  # the daemon logs to <staging>/daemon.log
-            *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
-            "",
-            "[[tier]]",
-            'name = "hot"',
-            "",
-            "[[tier]]",
-            'name = "warm"',
-            f'url = "s3://{self.name}/{PREFIX.rstrip("/")}"',
-            f'endpoint_url = "{self.server.endpoint}"',
-            f"part_size = {PART_SIZE}",
-            f"part_concurrency = {part_concurrency}",
-        ]
-        if faults:
-            lines += ["", "[tier.faults]"]
-            lines += [f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}"
-                      for k, v in faults.items()]
-        path.write_text("\n".join(lines) + "\n")
-        return path
+        return tiers_config(
+            path, f"s3://{self.name}/{PREFIX.rstrip('/')}",
+            f'endpoint_url = "{self.server.endpoint}"', f"part_size = {PART_SIZE}",
+            f"part_concurrency = {part_concurrency}", faults=faults,
+            upload_concurrency=upload_concurrency,
+            log_level=log_level,  # the daemon logs to <staging>/daemon.log
+            **settings)
 
     def sizes(self, client: Any = None) -> dict[str, int]:
         """Every object under the prefix (key relative to it -> size), one full listing."""

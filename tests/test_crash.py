@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted
+from tests.mounting import Mount, Mounter, ckptfs, is_mounted, wait_dead, wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.slow]
 
@@ -342,19 +342,6 @@ def check_store(m: Mount, exp: Expected, *, exactly: bool = False) -> None:
         assert (m.store / rel).is_dir(), f"directory {rel} is not in the store"
 
 
-def wait_dead(pid: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"daemon {pid} still running after {timeout}s")
-
-
 # -- the tests -----------------------------------------------------------------------------
 
 
@@ -493,10 +480,7 @@ def test_sigterm_unmounts_cleanly(mounter: Mounter) -> None:
         os.write(fd, busy)
         pid = m.pid
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while is_mounted(m.path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not is_mounted(m.path), "SIGTERM did not unmount"
+        wait_for("SIGTERM to unmount", lambda: not is_mounted(m.path), timeout=30)
         wait_dead(pid)
     finally:
         try:

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from ckptfs.mounthelper import (
     parse_options,
     split_options,
 )
-from tests.mounting import ckptfs, is_mounted
+from tests.mounting import ckptfs, is_mounted, wait_dead
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = Path("/sbin/mount.ckptfs")
@@ -148,14 +147,6 @@ def test_example_config_is_valid() -> None:
 # -- the real mount(8) --------------------------------------------------------------------
 
 
-def _daemon_gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return True
-    return state in ("Z", "X")
-
-
 @pytest.fixture
 def fstab_mount(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
@@ -207,10 +198,7 @@ def test_fstab_line_mounts_with_mount_T_and_options_take_effect(
                           check=False)
     assert done.returncode == 0, done.stderr
     assert not is_mounted(mnt)
-    deadline = time.monotonic() + 60
-    while not _daemon_gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _daemon_gone(pid), "the daemon did not exit after umount"
+    wait_dead(pid, timeout=60)  # the daemon exits after umount
 
 
 @pytest.mark.mount

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mounter
+from tests.mounting import Mounter, mounter_in
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
@@ -42,11 +42,8 @@ def open_base() -> Iterator[Path]:
 
 @pytest.fixture
 def world_mounter(open_base: Path) -> Iterator[Mounter]:
-    m = Mounter(open_base)
-    try:
+    with mounter_in(open_base) as m:
         yield m
-    finally:
-        m.teardown()
 
 
 def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:

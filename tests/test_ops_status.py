@@ -13,11 +13,10 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs
+from tests.mounting import Mounter, ckptfs, status, tiers_config
 from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
@@ -25,18 +24,9 @@ pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 KiB = 1024
 
 
-def status(m: Mount) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(ckptfs("status", "--json", m.path).stdout)
-    return result
-
-
 def file_tier_config(path: Path, store: Path, **faults: object) -> Path:
-    lines = ["upload_concurrency = 1", "", "[[tier]]", 'name = "hot"', "", "[[tier]]",
-             'name = "warm"', f'url = "{store.as_uri()}"']
-    if faults:
-        lines += ["", "[tier.faults]"] + [f"{k} = {json.dumps(v)}" for k, v in faults.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    """One upload at a time to the file tier ``store``, with ``faults``."""
+    return tiers_config(path, store.as_uri(), faults=faults, upload_concurrency=1)
 
 
 def test_status_shows_the_queue_of_a_slow_upload_then_empty_after_sync(

@@ -10,7 +10,6 @@ tests/test_read_path.py checks the same rules without a mount (memory tier, virt
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -24,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.mounting import Mount, Mounter, ckptfs
+from tests.mounting import Mount, Mounter, ckptfs, status
 from tests.s3bucket import PREFIX, Bucket
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(600)]
@@ -72,10 +71,6 @@ def store_log(bucket: Bucket) -> Iterator[StoreLog]:
 def config(bucket: Bucket, tmp_path: Path, **settings: Any) -> Path:
     settings.setdefault("metadata_ttl", "1s")
     return bucket.config(tmp_path / "c.toml", **settings)
-
-
-def status(m: Mount) -> dict[str, Any]:
-    return json.loads(ckptfs("status", m.path, "--json").stdout)
 
 
 def fetched(m: Mount) -> int:

@@ -106,6 +106,14 @@ async def node(root: Path, store: str, settings: ReadSettings = SETTINGS
         staging.close()
 
 
+async def publish(root: Path, store: str, files: dict[str, bytes]) -> None:
+    """A node under ``root`` writes ``files`` (path -> bytes) and uploads them to ``store``."""
+    async with node(root, store) as a:
+        for path, data in files.items():
+            await a.write(path, data)
+        await a.sync()
+
+
 @pytest.fixture
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     name = f"read-{request.node.name}-{id(tmp_path)}"
@@ -143,9 +151,7 @@ async def test_only_what_is_read_is_fetched_and_kept_across_restart(
     tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
 ) -> None:
     data = os.urandom(40 * BLOCK + 123)
-    async with node(tmp_path / "a", store) as a:
-        await a.write("ckpt.pt", data)
-        await a.sync()
+    await publish(tmp_path / "a", store, {"ckpt.pt": data})
     no_readahead = ReadSettings(metadata_ttl=TTL, fetch_block_size=BLOCK, readahead_bytes=0)
     async with node(tmp_path / "b", store, no_readahead) as b:
         assert await b.read("ckpt.pt", 10 * BLOCK + 5, 100) == data[10 * BLOCK + 5:][:100]
@@ -171,9 +177,7 @@ async def test_concurrent_readers_share_one_fetch_and_readahead_runs_ahead(
     tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
 ) -> None:
     data = os.urandom(16 * BLOCK)
-    async with node(tmp_path / "a", store) as a:
-        await a.write("f", data)
-        await a.sync()
+    await publish(tmp_path / "a", store, {"f": data})
     async with node(tmp_path / "b", store) as b:
         b.tier.latency = 1.0  # every GET takes a (virtual) second
         results: list[bytes] = []
@@ -214,9 +218,7 @@ def test_random_range_reads_equal_the_source(tmp_path_factory: pytest.TempPathFa
     store_named(name).clear()
 
     async def main() -> None:
-        async with node(root / "a", name) as a:
-            await a.write("d/x.bin", data)
-            await a.sync()
+        await publish(root / "a", name, {"d/x.bin": data})
         async with node(root / "b", name) as b:
             for offset, size in reads:
                 assert await b.read("d/x.bin", offset, size) == data[offset:offset + size]
@@ -228,11 +230,7 @@ async def test_corrupt_object_gives_eio_and_deleted_object_estale(
     tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
 ) -> None:
     data = os.urandom(3 * BLOCK)
-    async with node(tmp_path / "a", store) as a:
-        await a.write("good", data)
-        await a.write("bad", data)
-        await a.write("gone", data)
-        await a.sync()
+    await publish(tmp_path / "a", store, {"good": data, "bad": data, "gone": data})
     objects = store_named(store)
     # Rewritten behind ckptfs's back: other bytes, the same metadata.
     corrupt = bytearray(data)
@@ -346,10 +344,8 @@ async def test_local_only_unlink_hides_the_path_but_keeps_the_object(
 async def test_remote_directory_rename_moves_every_descendant(
     tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
 ) -> None:
-    async with node(tmp_path / "a", store) as a:
-        for i in range(3):
-            await a.write(f"run/step_{i}/shard", bytes([i]) * 10)
-        await a.sync()
+    await publish(tmp_path / "a", store, {f"run/step_{i}/shard": bytes([i]) * 10
+                                          for i in range(3)})
     async with node(tmp_path / "b", store) as b:
         run = await b.resolve("run")  # only the top directory is listed so far
         await b.fs.rename(ROOT_INODE, b"run", ROOT_INODE, b"run.old")
@@ -366,10 +362,7 @@ async def test_writing_a_remote_file_fetches_it_first_truncating_does_not(
     tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
 ) -> None:
     data = os.urandom(3 * BLOCK)
-    async with node(tmp_path / "a", store) as a:
-        await a.write("f", data)
-        await a.write("g", data)
-        await a.sync()
+    await publish(tmp_path / "a", store, {"f": data, "g": data})
     async with node(tmp_path / "b", store) as b:
         fh = await b.fs.open((await b.resolve("f")).ino, os.O_RDWR)
         await b.fs.write(fh, 0, b"HEAD")
@@ -388,9 +381,7 @@ async def test_a_bad_integrity_block_spoils_only_itself(
     tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
 ) -> None:
     data = os.urandom(4 * BLOCK)
-    async with node(tmp_path / "a", store) as a:
-        await a.write("f", data)
-        await a.sync()
+    await publish(tmp_path / "a", store, {"f": data})
     objects = store_named(store)
     corrupt = bytearray(data)
     corrupt[2 * BLOCK + 5] ^= 0xFF

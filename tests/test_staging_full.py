@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted
+from tests.mounting import Mounter, is_mounted, status, sync, tiers_config
 from tests.payload import Payload
 
 pytestmark = [pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -77,19 +77,6 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     finally:
         r.teardown()
         shutil.rmtree(tmp_path / "store", ignore_errors=True)  # a GiB and a half of disk
-
-
-def config(path: Path, store: Path, **top: Any) -> Path:
-    faults = top.pop("faults", {})
-    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
-    lines += ["", "[[tier]]", 'name = "hot"', "",
-              "[[tier]]", 'name = "warm"', f'url = "{store.as_uri()}"']
-    if faults:
-        lines += ["", "[tier.faults]"]
-        lines += [f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}"
-                  for k, v in faults.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,14 +165,6 @@ class Writer:
         return reports
 
 
-def sync(m: Mount, timeout: float) -> None:
-    ckptfs("sync", m.path, "--timeout", str(timeout), timeout=timeout + 30)
-
-
-def status(m: Mount) -> dict[str, Any]:
-    return json.loads(ckptfs("status", m.path, "--json").stdout)  # type: ignore[no-any-return]
-
-
 def store_checksum(path: Path) -> str | None:
     try:
         return os.getxattr(path, "user.ckptfs.checksum").decode()
@@ -206,8 +185,8 @@ def test_one_and_a_half_gib_through_256_mib_of_staging(rig: Rig) -> None:
     staging = rig.staging("staging", 256)
     store = rig.base / "store"
     store.mkdir()
-    cfg = config(rig.base / "c.toml", store, upload_concurrency=2,
-                 faults={"bandwidth": 200_000_000})
+    cfg = tiers_config(rig.base / "c.toml", store.as_uri(), upload_concurrency=2,
+                       faults={"bandwidth": 200_000_000})
     m = rig.mounter("big", staging=staging, config=cfg)
 
     # Two ranks write their shard of every step at the same time; rank 0 then writes the
@@ -264,8 +243,8 @@ def test_store_down_full_staging_gives_enospc_after_stall_timeout(rig: Rig) -> N
     store = rig.base / "store"
     store.mkdir()
     down = rig.base / "store-down"
-    cfg = config(rig.base / "c.toml", store, write_stall_timeout="5s",
-                 faults={"down_file": down})
+    cfg = tiers_config(rig.base / "c.toml", store.as_uri(), write_stall_timeout="5s",
+                       faults={"down_file": down})
     m = rig.mounter("down", staging=staging, config=cfg)
     down.touch()
 

@@ -27,19 +27,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted
+from tests.mounting import (
+    Mount,
+    Mounter,
+    is_mounted,
+    status,
+    sync,
+    tiers_config,
+    wait_dead,
+    wait_for,
+)
 from tests.payload import Payload
 from tests.s3server import S3Server
 
@@ -67,18 +74,6 @@ class Store(Protocol):
     def leftovers(self) -> list[str]: ...
 
 
-def _config_text(url: str, extra_tier: list[str], faults: dict[str, Any] | None,
-                 upload_concurrency: int) -> str:
-    lines = [f"upload_concurrency = {upload_concurrency}", "",
-             "[[tier]]", 'name = "hot"', "",
-             "[[tier]]", 'name = "warm"', f'url = "{url}"', *extra_tier]
-    if faults:
-        lines += ["", "[tier.faults]"]
-        lines += [f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}"
-                  for k, v in faults.items()]
-    return "\n".join(lines) + "\n"
-
-
 @dataclass
 class S3Store:
     server: S3Server
@@ -91,12 +86,10 @@ class S3Store:
 
     def config(self, path: Path, *, faults: dict[str, Any] | None = None,
                upload_concurrency: int = 2, part_concurrency: int = 2) -> Path:
-        path.write_text(_config_text(
-            f"s3://{self.bucket}/{PREFIX}",
-            [f'endpoint_url = "{self.server.endpoint}"', f"part_size = {PART_SIZE}",
-             f"part_concurrency = {part_concurrency}"],
-            faults, upload_concurrency))
-        return path
+        return tiers_config(
+            path, f"s3://{self.bucket}/{PREFIX}", f'endpoint_url = "{self.server.endpoint}"',
+            f"part_size = {PART_SIZE}", f"part_concurrency = {part_concurrency}",
+            faults=faults, upload_concurrency=upload_concurrency)
 
     def _objects(self) -> dict[str, int]:
         out = {}
@@ -157,8 +150,8 @@ class FileStore:
 
     def config(self, path: Path, *, faults: dict[str, Any] | None = None,
                upload_concurrency: int = 2, part_concurrency: int = 2) -> Path:
-        path.write_text(_config_text(self.root.as_uri(), [], faults, upload_concurrency))
-        return path
+        return tiers_config(path, self.root.as_uri(), faults=faults,
+                            upload_concurrency=upload_concurrency)
 
     def _walk(self) -> Iterator[tuple[str, bool]]:
         for dirpath, dirnames, filenames in os.walk(self.root):
@@ -247,18 +240,6 @@ def write_step(m: Mount, ckpt: Checkpoint, step: int, *, big: int = 0) -> None:
     ckpt.write(m, f"step_{step}/.metadata", Payload(step * 100 + 99, 2345))
 
 
-def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 30,
-             every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
-
-
 def wait_closed(m: Mount, ckpt: Checkpoint) -> None:
     """Every file has left state ``open``: the kernel's asynchronous RELEASE was handled.
 
@@ -272,19 +253,6 @@ def wait_closed(m: Mount, ckpt: Checkpoint) -> None:
         wait_for(f"{rel} to be closed", functools.partial(closed, rel), timeout=10, every=0.01)
 
 
-def wait_dead(pid: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"daemon {pid} still running after {timeout}s")
-
-
 def kill(m: Mount, pid: int) -> None:
     """SIGKILL the daemon ``pid`` at once (pid read beforehand) and clear the dead mount."""
     os.kill(pid, signal.SIGKILL)
@@ -295,14 +263,6 @@ def kill(m: Mount, pid: int) -> None:
 def clear_dead_mount(m: Mount) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True, check=False)
     assert not is_mounted(m.path)
-
-
-def sync(m: Mount, timeout: float = 120) -> None:
-    ckptfs("sync", m.path, "--timeout", str(timeout), timeout=timeout + 30)
-
-
-def status(m: Mount) -> dict[str, Any]:
-    return json.loads(ckptfs("status", m.path, "--json").stdout)  # type: ignore[no-any-return]
 
 
 def check_store(store: Store, ckpt: Checkpoint, *, exact: bool = True) -> None:

@@ -12,7 +12,6 @@ tests/test_upload.py checks the same rules without a mount (memory tier, virtual
 from __future__ import annotations
 
 import io
-import json
 import os
 import stat
 import threading
@@ -23,7 +22,7 @@ from typing import Any, Self
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted
+from tests.mounting import Mount, Mounter, ckptfs, is_mounted, status, wait_for
 from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
@@ -91,10 +90,6 @@ def sync(m: Mount, *args: str, timeout: float = 150) -> float:
     return time.monotonic() - t0
 
 
-def status(m: Mount) -> dict[str, Any]:
-    return json.loads(ckptfs("status", m.path, "--json").stdout)  # type: ignore[no-any-return]
-
-
 def write(path: Path, data: bytes) -> float:
     """Create/overwrite ``path`` (parents made) and close it; returns how long it took."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,17 +97,6 @@ def write(path: Path, data: bytes) -> float:
     with open(path, "wb") as f:
         f.write(data)
     return time.monotonic() - t0
-
-
-def wait_for(what: str, predicate: Any, timeout: float = 20, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +287,15 @@ def test_pointer_replaced_by_rename_never_leaves_the_store(mounter: Mounter, buc
 # 3. an outage of the store delays uploads, never writes, and loses nothing
 
 
+def write_while_down(m: Mount, datas: dict[str, bytes]) -> dict[str, Any]:
+    """Write ``datas`` with the store down, each in < 5 s; the first status with failures."""
+    for rel, data in datas.items():
+        took = write(m.path / rel, data)
+        assert took < 5.0, f"writing {rel} took {took:.1f}s while the store was down"
+    return wait_for("failed uploads in 'ckptfs status'",  # type: ignore[no-any-return]
+                    lambda: (s := status(m))["failed"] and s, timeout=20, every=0.1)
+
+
 def test_outage_down_file(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
     down = tmp_path / "store-is-down"
     m = mounter("down", config=bucket.config(tmp_path / "c.toml", faults={"down_file": down}))
@@ -310,11 +303,7 @@ def test_outage_down_file(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> N
     t_down = time.monotonic()
     datas = {f"step_{i}/model.pt": os.urandom(100_000 * i) for i in range(1, 5)}
     datas["big.pt"] = os.urandom(12 * MiB)  # multipart
-    for rel, data in datas.items():
-        took = write(m.path / rel, data)
-        assert took < 5.0, f"writing {rel} took {took:.1f}s while the store was down"
-    report = wait_for("failed uploads in 'ckptfs status'",
-                      lambda: (s := status(m))["failed"] and s)
+    report = write_while_down(m, datas)
     assert report["retries"] >= 1
     assert any("outage" in (f["error"] or "") for f in report["failed"]), report["failed"]
     assert report["queue"]["files"] >= len(datas)
@@ -341,11 +330,7 @@ def test_outage_server_stopped(mounter: Mounter, bucket: Bucket, s3_server: S3Se
     s3_server.stop()
     try:
         t_down = time.monotonic()
-        for rel, data in datas.items():
-            took = write(m.path / rel, data)
-            assert took < 5.0, f"writing {rel} took {took:.1f}s while the store was down"
-        report = wait_for("failed uploads in 'ckptfs status'",
-                          lambda: (s := status(m))["failed"] and s)
+        report = write_while_down(m, datas)
         assert report["retries"] >= 1
         time.sleep(max(0.0, 2.0 - (time.monotonic() - t_down)))
         # (The bucket cannot be listed now: the states tell that nothing was committed.)
@@ -481,15 +466,24 @@ def test_old_key_goes_when_the_new_file_there_is_renamed_away(mounter: Mounter, 
 # 5. umount waits for the queue; umount --no-wait leaves it in the journal for the next mount
 
 
-def test_umount_waits_for_uploads(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
-    bandwidth = 4_000_000  # a shard needs ~0.8 s, 'latest' lands > 1 s after the writes
-    m = mounter("umount", config=bucket.config(
+def slow_checkpoint(mounter: Mounter, bucket: Bucket, tmp_path: Path, name: str, *,
+                    bandwidth: int, step: int, shards: int,
+                    shard_size: int) -> tuple[Mount, dict[str, bytes]]:
+    """Mount ``name`` over a slow bucket; write ``step_N``'s shards, ``.metadata``, ``latest``."""
+    m = mounter(name, config=bucket.config(
         tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": bandwidth}))
-    datas = {f"step_5/__{r}_0.distcp": os.urandom(3 * MiB + r) for r in range(4)}
-    datas["step_5/.metadata"] = b"meta"
-    datas["latest"] = b"step_5"
+    datas = {f"step_{step}/__{r}_0.distcp": os.urandom(shard_size + r) for r in range(shards)}
+    datas[f"step_{step}/.metadata"] = b"meta"
+    datas["latest"] = f"step_{step}".encode()
     for rel, data in datas.items():
         write(m.path / rel, data)
+    return m, datas
+
+
+def test_umount_waits_for_uploads(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
+    # 4 MB/s: a shard needs ~0.8 s, 'latest' lands > 1 s after the writes
+    m, datas = slow_checkpoint(mounter, bucket, tmp_path, "umount", bandwidth=4_000_000,
+                               step=5, shards=4, shard_size=3 * MiB)
     assert "latest" not in bucket.sizes()  # there is something to wait for
     m.umount()
     assert not is_mounted(m.path)
@@ -501,14 +495,9 @@ def test_umount_waits_for_uploads(mounter: Mounter, bucket: Bucket, tmp_path: Pa
 
 def test_umount_no_wait_keeps_the_queue(mounter: Mounter, bucket: Bucket,
                                         tmp_path: Path) -> None:
-    bandwidth = 2_000_000  # a shard needs > 3 s
-    m = mounter("nowait", config=bucket.config(
-        tmp_path / "c.toml", faults={"latency": "0.1s", "bandwidth": bandwidth}))
-    datas = {f"step_7/__{r}_0.distcp": os.urandom(6 * MiB + r) for r in range(3)}
-    datas["step_7/.metadata"] = b"meta"
-    datas["latest"] = b"step_7"
-    for rel, data in datas.items():
-        write(m.path / rel, data)
+    # 2 MB/s: a shard needs > 3 s
+    m, datas = slow_checkpoint(mounter, bucket, tmp_path, "nowait", bandwidth=2_000_000,
+                               step=7, shards=3, shard_size=6 * MiB)
     ckptfs("umount", m.path, "--no-wait")
     assert not is_mounted(m.path)
     landed = bucket.sizes()
