@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Q1: where the simulated shared store keeps its bytes [a fresh dir on "
                         "/dev/shm if it has room, else in the work dir]: a shared store's "
                         "writes do not land on the node's own disk")
+    p.add_argument("--local-dir", type=Path,
+                   help="Q1: the node's local disk (local and two-stage checkpoints, ckptfs "
+                        "staging) [the work dir]; /dev/shm stands in for fast NVMe")
     p.add_argument("--store-bw", type=float, default=100e6,
                    help="Q1: bandwidth of the slow shared store, bytes/s")
     g = p.add_argument_group("sizes (MiB); --quick replaces every default with a tiny one")

@@ -191,6 +191,8 @@ class Config(_Strict):
     fetch_block_size: int = Field(default=16 * 1024 * 1024, ge=64 * 1024, le=1024**3)
     fetch_concurrency: int = Field(default=8, ge=1, le=256)
     readahead_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=16 * 1024**3)
+    # The kernel's readahead on the mount (its bdi's read_ahead_kb; 0: the kernel's 128).
+    read_ahead_kb: int = Field(default=1024, ge=0, le=1024 * 1024)
     total_steps: int | None = Field(default=None, ge=1)
     step_regex: str = r"(\d+)(?!.*\d)"
     # Retention runs this often, and after the uploads that follow a commit; 0: only

@@ -84,12 +84,20 @@ class FuseOps(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, fs: Filesystem, attr_timeout: float = ATTR_TIMEOUT) -> None:
+    def __init__(self, fs: Filesystem, attr_timeout: float = ATTR_TIMEOUT,
+                 on_init: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.fs = fs
         # Another node's changes show up within metadata_ttl: the kernel may not cache
         # entries and attributes longer than that.
         self.attr_timeout = attr_timeout
+        self.on_init = on_init
+
+    def init(self) -> None:
+        """FUSE_INIT from the kernel; our reply follows as soon as this returns (synchronously,
+        in the same trio task), so anything ``on_init`` schedules runs after it."""
+        if self.on_init is not None:
+            self.on_init()
 
     def _entry(self, row: Row) -> pyfuse3.EntryAttributes:
         return entry_attributes(row, self.attr_timeout)

@@ -27,7 +27,7 @@ from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import ROOT_INODE, Journal
-from ckptfs.mountinfo import check_mountpoint
+from ckptfs.mountinfo import check_mountpoint, find
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
@@ -149,6 +149,11 @@ async def serve(
             # writer's new files) then never wait for the store.
             await fs.lister.refresh(fs.getattr(ROOT_INODE))
             ops = FuseOps(fs, attr_timeout=min(10.0, config.metadata_ttl.total_seconds()))
+            if config.read_ahead_kb:
+                # After our INIT reply: the kernel lowers the readahead to what it offered
+                # in INIT (its default), so it is raised once that is done.
+                ops.on_init = lambda: nursery.start_soon(
+                    trio.to_thread.run_sync, set_read_ahead, mountpoint, config.read_ahead_kb)
             pyfuse3.init(ops, str(mountpoint), fuse_options(config))
             try:
                 log.info("mounted %s (staging %s, warm tier %s)", mountpoint, staging.root,
@@ -171,6 +176,19 @@ async def serve(
             if retention is not None:
                 await retention.aclose()
             await tier.aclose()
+
+
+def set_read_ahead(mountpoint: Path, kb: int) -> None:
+    """The kernel reads ahead 128 KiB on a FUSE mount by default, one small READ request at
+    a time; 1 MiB (the largest request) reads a local file through the mount 1.4x faster.
+    Needs root (sysfs); without it the kernel's default stays, with a note in the log."""
+    # From the mount table: a stat of the mountpoint would be a FUSE request to ourselves.
+    entry = find(mountpoint)
+    path = Path("/sys/class/bdi") / (entry.device if entry else "?") / "read_ahead_kb"
+    try:
+        path.write_text(f"{kb}\n")
+    except OSError as exc:
+        log.info("read_ahead_kb left at the kernel's default (%s: %s)", path, exc.strerror)
 
 
 def _owner_only(root: Path, journal_name: str) -> None:

@@ -28,6 +28,7 @@ class MountEntry:
     fstype: str
     source: str
     options: str
+    device: str = ""  # "major:minor" (st_dev)
 
 
 def _unescape(field: str) -> str:
@@ -44,7 +45,8 @@ def mounts() -> list[MountEntry]:
             if len(fields) < 6 or len(after) < 2:
                 continue
             entries.append(
-                MountEntry(_unescape(fields[4]), after[0], _unescape(after[1]), fields[5])
+                MountEntry(_unescape(fields[4]), after[0], _unescape(after[1]), fields[5],
+                           fields[2])
             )
     return entries
 

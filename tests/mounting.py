@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptfs.mountinfo import find
+
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
 
@@ -37,9 +39,7 @@ def ckptfs(*args: str | os.PathLike[str], check: bool = True, timeout: float = 3
 
 
 def is_mounted(path: Path) -> bool:
-    target = os.path.abspath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
+    return find(path) is not None
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mounter, ckptfs
+from tests.mounting import Mounter, ckptfs, wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -39,3 +39,22 @@ def test_long_staging_path(mounter: Mounter, tmp_path: Path) -> None:
     assert status["staging_dir"] == str(staging)
     ckptfs("sync", m.path)
     assert (m.store / "f").read_bytes() == b"data"
+
+
+def _read_ahead_kb(path: Path) -> int:
+    dev = os.stat(path).st_dev
+    return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+               .read_text())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="read_ahead_kb is set through sysfs (root)")
+def test_kernel_readahead_is_set_on_the_mount(mounter: Mounter) -> None:
+    """read_ahead_kb (default 1024) lands in the mount's bdi; the mount point is found in
+    /proc/self/mountinfo even with a space in its path (an octal escape there)."""
+    m = mounter("with space")
+    assert " " in str(m.path)
+    # Set by the daemon right after the kernel's INIT, which may be a moment after the mount.
+    wait_for("read_ahead_kb 1024", lambda: _read_ahead_kb(m.path) == 1024, timeout=10)
+    other = mounter("other", extra=["-o", "read_ahead_kb=2048"])
+    wait_for("read_ahead_kb 2048", lambda: _read_ahead_kb(other.path) == 2048, timeout=10)
+    assert _read_ahead_kb(m.path) == 1024

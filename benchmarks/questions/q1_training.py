@@ -26,9 +26,10 @@ for direct, the copy thread's last copy for two-stage, every file's ``user.ckptf
 reading ``committed`` for ckptfs).
 
 The store's bytes live in ``--store-dir``, by default on /dev/shm: a shared store writes to
-its own disks, not the node's, and on a VM whose one virtual disk holds both, the store's
-writeback slowed the local saves it competed with (a 1 GiB torch.save to the disk took 3.4 s
-while earlier checkpoints were being flushed, against 1.1 s otherwise).
+its own disks, not the node's. The local disk of local, two-stage and ckptfs's staging is
+``--local-dir`` (default: the work dir); ``--local-dir /dev/shm`` stands in for a local disk
+much faster than the store, as NVMe is (on this VM a 1 GiB torch.save to the virtual disk takes
+3.1-3.5 s while earlier checkpoints are being flushed, 1.1 s otherwise).
 
 Fairness notes: faults.bandwidth is applied per uploaded file (it sleeps size/bandwidth, then
 uploads), the slow store by a token bucket over all writes of the mount; with one file per
@@ -100,7 +101,7 @@ def training_loop(sd: dict[str, Any], target_dir: Path, ckpts: int, every: int,
 
 
 def run_direct(b: Bench, sd: dict[str, Any], o: Any, bw: float,
-               stores: Path) -> dict[str, Any]:
+               stores: Path, local: Path) -> dict[str, Any]:
     backing = stores / "direct"
     with slow_store(b.work, "q1-direct-store", bw, backing) as store:
         r = training_loop(sd, store, o.ckpts, o.every, o.step_s)
@@ -110,19 +111,16 @@ def run_direct(b: Bench, sd: dict[str, Any], o: Any, bw: float,
 
 
 def run_local(b: Bench, sd: dict[str, Any], o: Any, bw: float,
-              stores: Path) -> dict[str, Any]:
-    local = b.dir("q1-local")
+              stores: Path, local: Path) -> dict[str, Any]:
     r = training_loop(sd, local, o.ckpts, o.every, o.step_s)
     r["durable_s"] = None  # never reaches the store
     r.pop("t0")
     r["store_bytes"] = 0
-    shutil.rmtree(local)
     return r
 
 
 def run_two_stage(b: Bench, sd: dict[str, Any], o: Any, bw: float,
-                  stores: Path) -> dict[str, Any]:
-    local = b.dir("q1-two-stage-local")
+                  stores: Path, local: Path) -> dict[str, Any]:
     backing = stores / "two-stage"
     with slow_store(b.work, "q1-two-stage-store", bw, backing) as store:
         todo: queue.Queue[Path | None] = queue.Queue()
@@ -149,10 +147,10 @@ def run_two_stage(b: Bench, sd: dict[str, Any], o: Any, bw: float,
 
 
 def run_ckptfs(b: Bench, sd: dict[str, Any], o: Any, bw: float,
-               stores: Path) -> dict[str, Any]:
+               stores: Path, local: Path) -> dict[str, Any]:
     store = stores / "ckptfs"
     store.mkdir()
-    cfg = ckptfs_config(b.work / "q1-ckptfs-staging", store_dir=store, bandwidth=bw)
+    cfg = ckptfs_config(local / "staging", store_dir=store, bandwidth=bw)
     with ckptfs_mount(b.work, "q1-ckptfs", cfg) as m:
         r = training_loop(sd, m.path, o.ckpts, o.every, o.step_s)
         m.wait_committed(sorted(m.path.glob("ckpt_step_*.pt")))
@@ -181,8 +179,9 @@ def run(b: Bench) -> dict[str, Any]:
     sd = make_state_dict(o.q1_mib * MiB)
     size = state_dict_bytes(sd)
     root = o.store_dir or store_root(b.work, o.ckpts * size)
+    local_root = o.local_dir or b.work
     log(f"Q1: state dict {size / MiB:.0f} MiB, {o.ckpts} checkpoints every {o.every} steps "
-        f"of {o.step_s} s, store {bw / 1e6:.0f} MB/s in {root}")
+        f"of {o.step_s} s, store {bw / 1e6:.0f} MB/s in {root}, local disk {local_root}")
     ways: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     for way, fn in (("direct", run_direct), ("local", run_local),
@@ -191,14 +190,16 @@ def run(b: Bench) -> dict[str, Any]:
         log(f"Q1: {way}")
         t0, busy0 = time.perf_counter(), machine_busy_s()
         stores = Path(tempfile.mkdtemp(prefix="ckptfs-q1-store-", dir=root))
+        local = Path(tempfile.mkdtemp(prefix="ckptfs-q1-local-", dir=local_root))
         try:
-            ways[way] = fn(b, sd, o, bw, stores)
+            ways[way] = fn(b, sd, o, bw, stores, local)
         except Exception:  # noqa: BLE001 (the other ways' figures are still worth printing)
             errors[way] = traceback.format_exc()
             log(f"Q1: {way} FAILED:\n{errors[way]}")
             continue
         finally:
             shutil.rmtree(stores, ignore_errors=True)  # /dev/shm is memory
+            shutil.rmtree(local, ignore_errors=True)
         # Noise gauge: CPUs busy on the whole machine (this loop included) meanwhile.
         ways[way]["machine_cpus_busy"] = (machine_busy_s() - busy0) / (time.perf_counter() - t0)
         durable = ways[way]["durable_s"]
@@ -217,7 +218,8 @@ def run(b: Bench) -> dict[str, Any]:
         ("durable after s: direct / local / two-stage / ckptfs", each("durable_s"), ""),
         ("bytes / store bandwidth, s (what direct cannot beat)",
          f"{o.ckpts * size / bw:.2f}", "(info)"),
-        ("the store keeps its bytes in", str(root), "(info)"),
+        ("the store keeps its bytes in; the local disk (local, two-stage, ckptfs staging) is",
+         f"{root}; {local_root}", "(info)"),
         ("machine CPUs busy during: direct / local / two-stage / ckptfs",
          each("machine_cpus_busy"), "(noise)"),
         ("blocked: ckptfs / direct",
@@ -234,7 +236,7 @@ def run(b: Bench) -> dict[str, Any]:
     summary += [(f"{way} FAILED", tb.strip().splitlines()[-1][:160].replace("|", "/"), "")
                 for way, tb in errors.items()]
     out = {"title": TITLE, "state_dict_bytes": size, "ckpts": o.ckpts, "every": o.every,
-           "step_s": o.step_s, "store_bw": bw, "store_dir": str(root), "ways": ways,
+           "step_s": o.step_s, "store_bw": bw, "store_dir": str(root), "local_dir": str(local_root), "ways": ways,
            "summary": summary}
     if errors:
         out["errors"] = errors  # run_all.py exits non-zero
