@@ -151,11 +151,13 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._in_tx = False
-        # Keys tombstoned recently, with a sequence number (memory only): a listing answered
-        # before a deletion but merged after it, when the tombstone is gone, must still not
-        # bring the key back (``tombstoned_since``).
+        # Keys tombstoned or deleted while a listing was on its way, with a sequence number
+        # (memory only, and only while listings are in flight): a listing answered before a
+        # deletion but merged after it, when the tombstone is gone, must still not bring the
+        # key back (``tombstoned_since``).
         self._tomb_seq = 0
         self._recent_tombs: dict[str, int] = {}
+        self._listing_marks: list[int] = []
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -414,22 +416,28 @@ class Journal:
     def add_tombstone(self, key: str) -> int:
         cur = self._db.execute("INSERT INTO tombstones (key) VALUES (?)", (key,))
         assert cur.lastrowid is not None
-        self._tomb_seq += 1
-        self._recent_tombs[key] = self._tomb_seq
+        self._note_tombstone(key)
         return cur.lastrowid
 
-    def tombstone_mark(self) -> int:
-        """A point in the sequence of tombstones: take it before asking the store."""
+    def _note_tombstone(self, key: str) -> None:
+        self._tomb_seq += 1
+        if self._listing_marks:
+            self._recent_tombs[key] = self._tomb_seq
+
+    def listing_started(self) -> int:
+        """A listing is about to ask the store: its mark for ``tombstoned_since``."""
+        self._listing_marks.append(self._tomb_seq)
         return self._tomb_seq
 
+    def listing_done(self, mark: int) -> None:
+        self._listing_marks.remove(mark)
+        oldest = min(self._listing_marks, default=self._tomb_seq)
+        self._recent_tombs = {k: s for k, s in self._recent_tombs.items() if s > oldest}
+
     def tombstoned_since(self, prefix: str, mark: int) -> set[str]:
-        """Keys under ``prefix`` tombstoned after ``mark``, deleted since or not."""
+        """Keys under ``prefix`` tombstoned, or deleted from the store, after ``mark``."""
         return {key for key, seq in self._recent_tombs.items()
                 if seq > mark and key.startswith(prefix)}
-
-    def forget_tombstones_upto(self, mark: int) -> None:
-        """No listing started before ``mark`` is still on its way: older entries can go."""
-        self._recent_tombs = {k: s for k, s in self._recent_tombs.items() if s > mark}
 
     def tombstones(self) -> list[tuple[int, str]]:
         return [(r[0], r[1]) for r in self._db.execute("SELECT id, key FROM tombstones ORDER BY id")]
@@ -439,7 +447,11 @@ class Journal:
         return str(found[0]) if found else None
 
     def drop_tombstone(self, tomb_id: int) -> None:
+        """The deletion is done (or no longer needed)."""
+        key = self.tombstone_key(tomb_id)
         self._db.execute("DELETE FROM tombstones WHERE id = ?", (tomb_id,))
+        if key is not None:
+            self._note_tombstone(key)  # deleted just now: a listing on its way may list it
 
     def drop_tombstones_for(self, key: str) -> list[int]:
         ids = [r[0] for r in self._db.execute("SELECT id FROM tombstones WHERE key = ?", (key,))]

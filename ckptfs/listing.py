@@ -93,7 +93,6 @@ class Lister:
         self._listed: set[int] = set()  # listed once since the mount, or created here
         self._failed: set[int] = set()  # whose last listing failed (the store was down)
         self._inflight: dict[int, trio.Event] = {}
-        self._marks: list[int] = []  # the tombstone marks of the listings on their way
         # Where refreshes run so that a lookup can stop waiting for one (the mount's nursery);
         # without one they run in the caller.
         self.nursery: trio.Nursery | None = None
@@ -163,14 +162,11 @@ class Lister:
             return True
         prefix = os.fsdecode(path) + "/" if path else ""
         started = time.time()
-        mark = self.journal.tombstone_mark()
-        self._marks.append(mark)
+        mark = self.journal.listing_started()
         try:
             return await self._merge(directory, path, prefix, started, mark)
         finally:
-            self._marks.remove(mark)
-            self.journal.forget_tombstones_upto(
-                min(self._marks, default=self.journal.tombstone_mark()))
+            self.journal.listing_done(mark)
 
     async def _merge(self, directory: Row, path: bytes, prefix: str, started: float,
                      mark: int) -> bool:

@@ -477,7 +477,7 @@ class Uploader:
 
     async def _still_there(self, ino: int, key: str) -> Row | None:
         """After a put to ``key``: the entry's row, or None if it was removed meanwhile. Then
-        what we just wrote must go now (the tombstone of its path may already have run, and a
+        what we just wrote must go (the tombstone of its path may already have run, and a
         listing would bring the entry back), unless a live entry has been committed at ``key``
         since (a new file at the same path)."""
         try:
@@ -486,9 +486,9 @@ class Uploader:
             row = None
         if row is not None and self.journal.path_of(ino) is not None:
             return row
-        if self.journal.holder_of(key) is None:
-            await self.tier.delete(key)
-            self.stats.deleted += 1
+        # Through the journal, so that a failed deletion is retried (and a listing meanwhile
+        # skips the key); the tombstone leaves a key a live entry holds by then.
+        self._retire(key)
         return None
 
     def _retire(self, key: str) -> None:
@@ -505,6 +505,10 @@ class Uploader:
             stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
             target=None if is_dir else os.fsdecode(row.target or b""),
         )
+
+    @staticmethod
+    def _same_entry(a: ObjectMeta, b: ObjectMeta) -> bool:
+        return (a.kind, a.mode, a.uid, a.gid, a.target) == (b.kind, b.mode, b.uid, b.gid, b.target)
 
     async def _put_entry(self, row: Row, key: str) -> None:
         is_dir = stat.S_ISDIR(row.mode)
@@ -525,8 +529,11 @@ class Uploader:
         old_key = row.remote_key
         row.remote_key = target_key
         row.uploading_key = None
-        # A chmod/chown/touch while it was being put leaves it STAGED: it is put once more.
-        row.state = State.COMMITTED if self._entry_meta(row) == meta else State.STAGED
+        # A chmod/chown while it was being put leaves it STAGED: it is put once more. Not a
+        # directory's mtime, which every entry created in it changes (a directory's mtime in
+        # the store is the one of its last put).
+        row.state = State.COMMITTED if self._same_entry(self._entry_meta(row), meta) \
+            else State.STAGED
         row.tiers = self.tier.name
         row.committed_at = time.time()
         with self.journal.transaction():

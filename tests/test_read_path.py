@@ -486,3 +486,39 @@ async def test_a_listing_during_a_symlink_put_does_not_keep_its_old_name(
         assert await a.names() == ["b"]
         assert sorted(store_named(store)) == ["b"]
         assert a.fs.readlink((await a.resolve("b")).ino) == b"target"
+
+
+async def test_a_deletion_pending_when_a_listing_starts_and_done_before_its_merge(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """The tombstone exists when the listing asks the store, and is gone (the object deleted)
+    by the time the listing is merged: neither check alone would catch it."""
+    async with node(tmp_path / "a", store) as a:
+        await a.write("gone", b"1")
+        await a.sync()
+        may_delete, answered, merge = trio.Event(), trio.Event(), trio.Event()
+        delete, list_dir = a.tier.delete, a.tier.list_dir
+
+        async def held_delete(key: str) -> None:
+            await may_delete.wait()
+            await delete(key)
+
+        async def stale_list_dir(prefix: str) -> list[ObjectInfo]:
+            entries = await list_dir(prefix)
+            answered.set()
+            await merge.wait()
+            return entries
+
+        a.tier.delete = held_delete  # type: ignore[method-assign]
+        a.tier.list_dir = stale_list_dir  # type: ignore[method-assign]
+        await a.fs.unlink(ROOT_INODE, b"gone")
+        await trio.sleep(TTL + 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.names)
+            await answered.wait()
+            may_delete.set()
+            await a.sync()
+            assert "gone" not in store_named(store)
+            merge.set()
+        a.tier.delete, a.tier.list_dir = delete, list_dir  # type: ignore[method-assign]
+        assert await a.names() == []
