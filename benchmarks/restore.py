@@ -82,6 +82,7 @@ from questions.common import (
     ckptfs,
     ckptfs_config,
     ckptfs_mount,
+    error_cell,
     log,
     machine,
     moto_server,
@@ -565,8 +566,7 @@ def main(argv: list[str] | None = None) -> int:
              "| store | measurement | value | target |", "|---|---|---:|---|"]
     for kind, r in results.items():
         if "error" in r:
-            last = [x for x in r["error"].splitlines() if x.strip()][-1]
-            lines.append(f"| {kind} | FAILED | {last[:160].replace('|', '/')} | |")
+            lines.append(f"| {kind} | FAILED | {error_cell(r['error'])} | |")
             continue
         r["summary"] = summarize(r, ceiling)
         lines += [f"| {m} | {v} | {t} |" for m, v, t in r["summary"]]

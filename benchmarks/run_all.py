@@ -48,7 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # questions.*, write_path, upload
 
-from questions.common import Bench, log, machine
+from questions.common import Bench, error_cell, log, machine
 from write_path import machine_busy_s
 
 QUESTIONS = {
@@ -134,8 +134,7 @@ def print_table(results: dict[str, Any], info: dict[str, Any], quick: bool) -> s
              "| question | measurement | value | target |", "|---|---|---:|---|"]
     for q, r in results.items():
         if "error" in r:
-            last = [x for x in r["error"].splitlines() if x.strip()][-1]
-            lines.append(f"| {q} | FAILED | {last[:160].replace('|', '/')} | |")
+            lines.append(f"| {q} | FAILED | {error_cell(r['error'])} | |")
             continue
         for measure, value, target in r["summary"]:
             lines.append(f"| {q} | {measure} | {value} | {target} |")

@@ -765,31 +765,34 @@ def umask() -> Any:
     os.umask(old)
 
 
-@pytest.mark.parametrize("seed", _seeds((1, 2, 3)))
-def test_fsx_matches_plain_directory(mounter: Mounter, tmp_path: Path, umask: Any,
-                                     seed: int) -> None:
+def _play(mount: Mount, tmp_path: Path, seed: int, steps: int, *,
+          remount_at: tuple[int, ...] = (), remount_after: bool = False,
+          check_store: bool = False) -> None:
+    """One random run on ``mount`` beside a plain directory; the descriptors it keeps open on
+    both sides are closed however it ends."""
     ref = tmp_path / "ref"
     ref.mkdir()
-    run = Run(mounter(), ref, seed)
+    run = Run(mount, ref, seed, check_store=check_store)
     try:
-        run.run(_steps(1000))
+        run.run(steps, remount_at=remount_at)
+        if remount_after:
+            run.remount()
     finally:
         run.ckpt.close_all()
         run.ref.close_all()
+
+
+@pytest.mark.parametrize("seed", _seeds((1, 2, 3)))
+def test_fsx_matches_plain_directory(mounter: Mounter, tmp_path: Path, umask: Any,
+                                     seed: int) -> None:
+    _play(mounter(), tmp_path, seed, _steps(1000))
 
 
 @pytest.mark.parametrize("seed", _seeds((101, 102)))
 def test_fsx_across_remount(mounter: Mounter, tmp_path: Path, umask: Any, seed: int) -> None:
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    run = Run(mounter(), ref, seed)
     steps = _steps(1000) * 3 // 4
-    try:
-        run.run(steps, remount_at=(steps // 3, 2 * steps // 3))
-        run.remount()
-    finally:
-        run.ckpt.close_all()
-        run.ref.close_all()
+    _play(mounter(), tmp_path, seed, steps, remount_at=(steps // 3, 2 * steps // 3),
+          remount_after=True)
 
 
 @pytest.mark.skipif(not os.environ.get("CKPTFS_FSX_RELIST"),
@@ -801,16 +804,9 @@ def test_fsx_with_constant_relisting(mounter: Mounter, tmp_path: Path, umask: An
     """The same random run with the warm tier listed again every 50 ms: listings merged into
     the namespace while every operation goes on (and its upload, rename or deletion is
     still on its way to the store) must never change what the application sees."""
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    run = Run(mounter(extra=["-o", "metadata_ttl=0.05s"]), ref, seed)
     steps = _steps(1000) * 3 // 4
-    try:
-        run.run(steps, remount_at=(steps // 2,))
-        run.remount()
-    finally:
-        run.ckpt.close_all()
-        run.ref.close_all()
+    _play(mounter(extra=["-o", "metadata_ttl=0.05s"]), tmp_path, seed, steps,
+          remount_at=(steps // 2,), remount_after=True)
 
 
 @pytest.mark.xfail(strict=False, reason="stage 2 leaves stale directories on the file tier "
@@ -820,16 +816,9 @@ def test_fsx_with_constant_relisting(mounter: Mounter, tmp_path: Path, umask: An
 def test_fsx_warm_tier_after_umount(mounter: Mounter, tmp_path: Path, umask: Any,
                                     seed: int) -> None:
     """The same random run; at every umount the file tier must be a copy of the tree."""
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    run = Run(mounter(), ref, seed, check_store=True)
     steps = _steps(1000) // 2
-    try:
-        run.run(steps, remount_at=(steps // 2,))
-        run.remount()
-    finally:
-        run.ckpt.close_all()
-        run.ref.close_all()
+    _play(mounter(), tmp_path, seed, steps, remount_at=(steps // 2,), remount_after=True,
+          check_store=True)
 
 
 # -- big directories and long names -----------------------------------------------------------

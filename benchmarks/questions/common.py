@@ -42,6 +42,12 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+def error_cell(traceback_text: str) -> str:
+    """The last line of a traceback, fit for one markdown table cell."""
+    last = [x for x in traceback_text.splitlines() if x.strip()][-1]
+    return last[:160].replace("|", "/")
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

@@ -54,6 +54,7 @@ from questions.common import (
     MiB,
     ckptfs_config,
     ckptfs_mount,
+    error_cell,
     log,
     slow_store,
     sync_disk,
@@ -233,7 +234,7 @@ def run(b: Bench) -> dict[str, Any]:
         ("durable after: ckptfs / two-stage", ratio("durable_s", "ckptfs", "two-stage"),
          "(info)"),
     ]
-    summary += [(f"{way} FAILED", tb.strip().splitlines()[-1][:160].replace("|", "/"), "")
+    summary += [(f"{way} FAILED", error_cell(tb), "")
                 for way, tb in errors.items()]
     out = {"title": TITLE, "state_dict_bytes": size, "ckpts": o.ckpts, "every": o.every,
            "step_s": o.step_s, "store_bw": bw, "store_dir": str(root), "local_dir": str(local_root), "ways": ways,
