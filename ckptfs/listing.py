@@ -51,7 +51,15 @@ import trio
 from ckptfs.errors import CkptfsError, NotEmpty, StoreUnavailable
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.namespace import MAX_NAME, Namespace
-from ckptfs.tiers.base import ARCHIVE_CLASSES, Kind, ObjectInfo, ObjectMissing, Tier, TierError
+from ckptfs.tiers.base import (
+    ARCHIVE_CLASSES,
+    CONTROL_PREFIX,
+    Kind,
+    ObjectInfo,
+    ObjectMissing,
+    Tier,
+    TierError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +251,8 @@ class Lister:
         """The entries whose names are safe path components (the others are refused)."""
         remote: dict[bytes, ObjectInfo] = {}
         for info in entries:
-            if not info.key.startswith(prefix):
-                continue
+            if not info.key.startswith(prefix) or info.key.startswith(CONTROL_PREFIX):
+                continue  # the nodes' shared state (coordination.py), not an entry
             name = info.key[len(prefix):].removesuffix("/")
             why = refusal(name)
             if why is None and os.fsencode(name) in remote:

@@ -28,17 +28,25 @@ from ckptfs.errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    NotPermitted,
 )
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.tiers.base import CONTROL_PREFIX
 
 MAX_NAME = 255
 
 
-def check_name(name: bytes) -> None:
+# At the root of the store, the nodes keep their shared state (tiers/base.py CONTROL_PREFIX).
+RESERVED_AT_ROOT = CONTROL_PREFIX.rstrip("/").encode()
+
+
+def check_name(name: bytes, parent: int | None = None) -> None:
     if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
         raise InvalidArgument(f"invalid name {name!r}")
     if len(name) > MAX_NAME:
         raise NameTooLong(f"name of {len(name)} bytes")
+    if parent == ROOT_INODE and name == RESERVED_AT_ROOT:
+        raise NotPermitted(f"{name.decode()} at the root is reserved for ckptfs")
 
 
 class Namespace:
@@ -158,7 +166,7 @@ class Namespace:
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, state: State,
         target: bytes | None = None,
     ) -> Row:
-        check_name(name)
+        check_name(name, parent)
         parent_row = self.get(parent)
         if not stat.S_ISDIR(parent_row.mode):
             raise NotADirectory(f"inode {parent}")
@@ -215,7 +223,7 @@ class Namespace:
         noreplace: bool, exchange: bool,
     ) -> tuple[Row, Row | None]:
         """Move an entry; returns (moved row, replaced row or None). Atomic in the journal."""
-        check_name(new_name)
+        check_name(new_name, new_parent)
         src = self.lookup(old_parent, old_name)
         dst_dir = self.get(new_parent)
         if not stat.S_ISDIR(dst_dir.mode):

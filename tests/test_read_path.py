@@ -522,3 +522,20 @@ async def test_a_deletion_pending_when_a_listing_starts_and_done_before_its_merg
             merge.set()
         a.tier.delete, a.tier.list_dir = delete, list_dir  # type: ignore[method-assign]
         assert await a.names() == []
+
+
+async def test_the_nodes_shared_state_is_not_an_entry(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    objects = store_named(store)
+    objects[".ckptfs/nodes/other"] = _Object(b"{}", ObjectMeta())
+    async with node(tmp_path / "a", store) as a:
+        await a.write("step_1/model.pt", b"m")
+        assert await a.names() == ["step_1"]
+        with pytest.raises(errors.NotFound):
+            await a.resolve(".ckptfs")
+        with pytest.raises(errors.NotPermitted):
+            a.fs.mkdir(ROOT_INODE, b".ckptfs", 0o755, ROOT_CALLER)
+        with pytest.raises(errors.NotPermitted):
+            await a.fs.rename(ROOT_INODE, b"step_1", ROOT_INODE, b".ckptfs")
+        a.fs.mkdir((await a.resolve("step_1")).ino, b".ckptfs", 0o755, ROOT_CALLER)  # elsewhere: ok

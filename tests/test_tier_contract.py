@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier, TierError
+from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, PreconditionFailed, Tier, TierError
 from ckptfs.tiers.local import TMP_MARK, FileTier
 from ckptfs.tiers.memory import MemoryTier
 from ckptfs.tiers.s3 import MIN_PART_SIZE, S3Tier
@@ -174,3 +174,41 @@ async def test_list_dir_is_one_level(tier: Tier, tmp_path: Path) -> None:
     assert inside["a/x"].size == len(data)
     assert {i.key for i in await tier.list_dir("a/b/")} == {"a/b/y", "a/b/c/"}
     assert await tier.list_dir("nothing/") == []
+
+
+async def test_small_objects_are_compare_and_swap(tier: Tier) -> None:
+    key = ".ckptfs/lease"
+    with pytest.raises(ObjectMissing):
+        await tier.get_small(key)
+    with pytest.raises(PreconditionFailed):
+        await tier.put_small(key, b"x", if_tag="no-such-tag")  # nothing to replace
+    first = await tier.put_small(key, b"one", if_absent=True)
+    assert await tier.get_small(key) == (b"one", first)
+    with pytest.raises(PreconditionFailed):
+        await tier.put_small(key, b"two", if_absent=True)
+    second = await tier.put_small(key, b"two", if_tag=first)
+    assert second != first
+    with pytest.raises(PreconditionFailed):
+        await tier.put_small(key, b"three", if_tag=first)  # a stale tag loses
+    assert await tier.get_small(key) == (b"two", second)
+    third = await tier.put_small(key, b"three")  # unconditional
+    assert await tier.get_small(key) == (b"three", third)
+
+
+async def test_racing_conditional_writes_have_one_winner(tier: Tier) -> None:
+    key = ".ckptfs/race"
+    base = await tier.put_small(key, b"base", if_absent=True)
+    won: list[bytes] = []
+
+    async def contend(body: bytes) -> None:
+        try:
+            await tier.put_small(key, body, if_tag=base)
+            won.append(body)
+        except PreconditionFailed:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(contend, b"node-%d" % i)
+    assert len(won) == 1
+    assert (await tier.get_small(key))[0] == won[0]

@@ -18,6 +18,12 @@ Invariants every implementation keeps (tests/test_tier_contract.py checks them):
 - Errors are ``StoreUnavailable`` (transient: retry later) or ``TierError`` (permanent);
   ``NotFound`` for a missing key.
 - Blocking client calls run in worker threads, never on the trio thread.
+
+Small objects (``put_small``/``get_small``) carry coordination state between the nodes that
+mount one store (coordination.py, the retention lease). They live under ``CONTROL_PREFIX`` at
+the tier's root, which listings of the mount and retention never show, copy or delete. Their
+conditional writes (create-if-absent, replace-if-tag) are atomic: of two nodes racing, exactly
+one succeeds and the other gets ``PreconditionFailed``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ from ckptfs.errors import CkptfsError, NeedsRestore, StoreRefused, StoreUnavaila
 Progress = Callable[[int], None]
 
 
+# Keys under this prefix at a tier's root hold ckptfs's own state shared by the nodes
+# (registrations, commit barriers, the retention lease): never a file of the mount.
+CONTROL_PREFIX = ".ckptfs/"
+
 # Storage classes whose objects must be restored before a GET (GLACIER_IR reads directly).
 ARCHIVE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
 
@@ -49,6 +59,10 @@ class Kind(enum.StrEnum):
 
 class TierError(StoreRefused):
     """A permanent tier error (bad credentials, missing bucket, invalid key): do not retry."""
+
+
+class PreconditionFailed(CkptfsError):
+    """A conditional ``put_small`` found the object not as the caller expected."""
 
 
 class ObjectMissing(CkptfsError):
@@ -229,6 +243,17 @@ class Tier(abc.ABC):
     async def promote(self, key: str) -> None:
         """Move a restored object back to this tier's storage class, in place."""
         raise TierError(f"{self.url}: {key}: this tier has no archive storage classes")
+
+    @abc.abstractmethod
+    async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,
+                        if_tag: str | None = None) -> str:
+        """Store a small object (a few KiB of coordination state) at ``key``, atomically;
+        returns its new tag. ``if_absent``: only if nothing is at ``key``; ``if_tag``: only
+        if the object there has that tag. Otherwise ``PreconditionFailed``."""
+
+    @abc.abstractmethod
+    async def get_small(self, key: str) -> tuple[bytes, str]:
+        """The body and tag of a small object; ``ObjectMissing`` if absent."""
 
     @abc.abstractmethod
     async def copy(self, src: str, dst: str) -> None:

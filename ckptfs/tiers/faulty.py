@@ -121,6 +121,15 @@ class FaultyTier(Tier):
         await self._gate("promote")
         await self.inner.promote(key)
 
+    async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,
+                        if_tag: str | None = None) -> str:
+        await self._gate("put_small")
+        return await self.inner.put_small(key, data, if_absent=if_absent, if_tag=if_tag)
+
+    async def get_small(self, key: str) -> tuple[bytes, str]:
+        await self._gate("get_small")
+        return await self.inner.get_small(key)
+
     async def copy(self, src: str, dst: str) -> None:
         await self._gate("copy")
         await self.inner.copy(src, dst)

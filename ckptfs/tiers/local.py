@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import os
 import secrets
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import crc32c
 import trio
 
 from ckptfs.errors import StoreUnavailable
@@ -33,6 +35,7 @@ from ckptfs.tiers.base import (
     ObjectInfo,
     ObjectMeta,
     ObjectMissing,
+    PreconditionFailed,
     Progress,
     Tier,
     TierError,
@@ -281,6 +284,80 @@ class FileTier(Tier):
                     raise
 
         await self._run(remove)
+
+
+    async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,
+                        if_tag: str | None = None) -> str:
+        path = self._path(key)
+        tmp = self._tmp_for(path)
+
+        def put() -> str:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+                # Its tag, before anyone can see it: once published it may be swapped away.
+                tag = _small_tag_of(os.fstat(f.fileno()), data)
+            try:
+                if if_tag is not None:
+                    _swap_small(path, tmp, if_tag)
+                elif if_absent:
+                    try:
+                        os.link(tmp, path)  # atomic create-if-absent, also over NFS
+                    except FileExistsError:
+                        raise PreconditionFailed(f"{self.url}: {key}: exists") from None
+                else:
+                    os.replace(tmp, path)
+            finally:
+                _unlink_quiet(tmp)
+            return tag
+
+        tag: str = await self._run(put)
+        return tag
+
+    async def get_small(self, key: str) -> tuple[bytes, str]:
+        path = self._path(key)
+
+        def get() -> tuple[bytes, str]:
+            with open(path, "rb") as f:
+                data = f.read()
+                return data, _small_tag_of(os.fstat(f.fileno()), data)
+
+        result: tuple[bytes, str] = await self._run(get)
+        return result
+
+
+def _small_tag_of(st: os.stat_result, data: bytes) -> str:
+    # The inode and a checksum of the body, not times: renames and links move ctime, and an
+    # inode number can be reused by the next version, whose body differs (it says so).
+    return f"{st.st_ino:x}-{crc32c.crc32c(data):08x}"
+
+
+def _small_tag(path: Path) -> str:
+    with open(path, "rb") as f:
+        return _small_tag_of(os.fstat(f.fileno()), f.read())
+
+
+def _swap_small(path: Path, new: Path, expected: str) -> None:
+    """Replace ``path`` by ``new`` only if its tag is ``expected``, atomically against other
+    nodes doing the same: the old file is first renamed aside, which only one of them can do."""
+    aside = path.with_name(f".{path.name}{TMP_MARK}swap.{secrets.token_hex(6)}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        raise PreconditionFailed(f"{path}: missing") from None
+    try:
+        if _small_tag(aside) != expected:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)  # put it back, unless somebody created a new one
+            raise PreconditionFailed(f"{path}: changed")
+        try:
+            os.link(new, path)
+        except FileExistsError:
+            raise PreconditionFailed(f"{path}: created meanwhile") from None
+    finally:
+        _unlink_quiet(aside)
 
 
 def _copy_chunk(src: int, dst: int, offset: int, length: int) -> int:

@@ -6,7 +6,8 @@ Tiers with the same name share one store (a module-level registry), so a test ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -16,16 +17,23 @@ from ckptfs.tiers.base import (
     ObjectInfo,
     ObjectMeta,
     ObjectMissing,
+    PreconditionFailed,
     Progress,
     Tier,
     write_local,
 )
 
 
+_TAGS = itertools.count(1)
+
+
 @dataclass
 class _Object:
     body: bytes
     meta: ObjectMeta
+    # Unique for the life of the process (an id() could be reused: a compare-and-swap
+    # would then take a new object for the old one).
+    tag: str = field(default_factory=lambda: f"{next(_TAGS):x}")
 
 
 _STORES: dict[str, dict[str, _Object]] = {}
@@ -53,7 +61,7 @@ class MemoryTier(Tier):
         obj = self.objects[key] = _Object(body, meta)
         if progress:
             progress(len(body))
-        return f"{id(obj):x}"
+        return obj.tag
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         await trio.lowlevel.checkpoint()
@@ -73,12 +81,12 @@ class MemoryTier(Tier):
         obj = self.objects.get(key)
         if obj is None:
             raise ObjectMissing(key)
-        return ObjectInfo(key, len(obj.body), obj.meta, etag=f"{id(obj):x}")
+        return ObjectInfo(key, len(obj.body), obj.meta, etag=obj.tag)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         await trio.lowlevel.checkpoint()
         return [
-            ObjectInfo(k, len(o.body), o.meta, etag=f"{id(o):x}")
+            ObjectInfo(k, len(o.body), o.meta, etag=o.tag)
             for k, o in sorted(self.objects.items()) if k.startswith(prefix)
         ]
 
@@ -92,3 +100,21 @@ class MemoryTier(Tier):
     async def delete(self, key: str) -> None:
         await trio.lowlevel.checkpoint()
         self.objects.pop(key, None)
+
+    async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,
+                        if_tag: str | None = None) -> str:
+        await trio.lowlevel.checkpoint()
+        old = self.objects.get(key)
+        if if_absent and old is not None:
+            raise PreconditionFailed(f"{key}: exists")
+        if if_tag is not None and (old is None or old.tag != if_tag):
+            raise PreconditionFailed(f"{key}: changed")
+        obj = self.objects[key] = _Object(bytes(data), ObjectMeta())
+        return obj.tag
+
+    async def get_small(self, key: str) -> tuple[bytes, str]:
+        await trio.lowlevel.checkpoint()
+        obj = self.objects.get(key)
+        if obj is None:
+            raise ObjectMissing(key)
+        return obj.body, obj.tag

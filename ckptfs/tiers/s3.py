@@ -35,6 +35,7 @@ from ckptfs.tiers.base import (
     ObjectInfo,
     ObjectMeta,
     ObjectMissing,
+    PreconditionFailed,
     Progress,
     Tier,
     TierError,
@@ -267,6 +268,41 @@ class S3Tier(Tier):
             full, body = self._key(key), (meta.target or "").encode("utf-8", "surrogateescape")
         await self._call(self.client.put_object, Bucket=self.bucket, Key=full, Body=body,
                          Metadata=meta.to_headers())
+
+    async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,
+                        if_tag: str | None = None) -> str:
+        from botocore.exceptions import ClientError
+
+        args: dict[str, Any] = {}
+        if if_absent:
+            args["IfNoneMatch"] = "*"
+        if if_tag is not None:
+            args["IfMatch"] = if_tag
+
+        def put() -> str:
+            try:
+                reply = self.client.put_object(Bucket=self.bucket, Key=self._key(key),
+                                               Body=data, **args)
+            except ClientError as exc:
+                # 412 when the condition fails; AWS answers 409 to a conditional write that
+                # races another one on the same key: that one won.
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                if code in ("PreconditionFailed", "ConditionalRequestConflict") or (
+                        if_tag is not None and code in _MISSING_CODES):
+                    raise PreconditionFailed(f"{self.url}: {key}: {code}") from None
+                raise
+            return str(reply["ETag"])
+
+        tag: str = await self._call(put)
+        return tag
+
+    async def get_small(self, key: str) -> tuple[bytes, str]:
+        def get() -> tuple[bytes, str]:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return reply["Body"].read(), str(reply["ETag"])
+
+        result: tuple[bytes, str] = await self._call(get)
+        return result
 
     async def read_into(self, key: str, offset: int, length: int, fd: int, fd_offset: int) -> int:
         if length <= 0:
