@@ -420,6 +420,15 @@ def status(
         table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
                       or "none")
         table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")
+        node = r.get("node")
+        if node:
+            table.add_row("node", node["node"] + ("" if node["registered"] else " (not registered)"))
+            if node["held_markers"]:
+                waiting = ", ".join(node["waiting_for"]) or "the barrier to be posted"
+                table.add_row("markers held", f"{', '.join(node['held_markers'])}: waiting for "
+                              f"{waiting}")
+            if node["error"]:
+                table.add_row("coordination", node["error"])
         console.print(table)
 
 

@@ -178,6 +178,12 @@ class Config(_Strict):
     unlink: Literal["posix", "local-only"] = "posix"
     commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
     upload_concurrency: int = Field(default=4, ge=1, le=256)
+    # Nodes that mount one store keep its commit order together (coordination.py): this
+    # node's id (default: made once per staging directory), and how often it polls the store
+    # while it has work, and when idle.
+    node_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    node_poll_interval: Duration = timedelta(seconds=1)
+    node_idle_poll_interval: Duration = timedelta(seconds=10)
     staging_max_bytes: int | None = Field(default=None, ge=1)
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
     write_stall_timeout: Duration = timedelta(minutes=5)

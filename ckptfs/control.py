@@ -254,11 +254,18 @@ class ControlServer:
             "failed": [{"item": str(w.target or w.key), "error": w.error, "attempts": w.attempts}
                        for w in self.uploader.failed()],
             "incomplete": incomplete,
+            "node": self._node(),
             "staging": {"free_bytes": st.f_bavail * st.f_frsize,
                         "total_bytes": st.f_blocks * st.f_frsize,
                         "used_bytes": self.fs.space.used,
                         "max_bytes": self.fs.space.max_bytes},
         }
+
+    def _node(self) -> dict[str, Any] | None:
+        coordinator = self.uploader.coordinator
+        if coordinator is None:
+            return None
+        return {**coordinator.status(), "held_markers": self.uploader.held_markers()}
 
     async def _sync(self, stream: trio.SocketStream, path: str | None) -> None:
         """Stream progress until everything closed so far (under ``path``) is committed."""

@@ -23,6 +23,7 @@ import trio
 from ckptfs import __version__
 from ckptfs.config import Config
 from ckptfs.control import ControlServer
+from ckptfs.coordination import Coordinator, node_id
 from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
@@ -116,6 +117,17 @@ async def serve(
                             concurrency=config.upload_concurrency, markers=config.commit_markers)
         fs.listener = uploader
         uploader.requeue_from_journal()
+        coordinator = Coordinator(
+            tier, node_id(staging.root, config.node_id), uploader,
+            poll=config.node_poll_interval.total_seconds(),
+            idle_poll=config.node_idle_poll_interval.total_seconds())
+        uploader.coordinator = coordinator
+        # Before the first request: a node that closes files must be known to the others
+        # before any of them can miss it (coordination.py).
+        try:
+            await coordinator.register()
+        except (TierError, StoreUnavailable) as exc:
+            raise UserError(f"cannot register this node in {tier.url}: {exc}") from None
         control = ControlServer(fs, uploader, mountpoint, config.warm.url or "", config)
         retention = await Retention.open(
             config, warm=tier, fs=fs, upload_progress=lambda: upload_progress(uploader),
@@ -136,6 +148,7 @@ async def serve(
         }
         async with trio.open_nursery() as nursery:
             await nursery.start(uploader.run)
+            await nursery.start(coordinator.run)
             await nursery.start(control.serve)
             nursery.start_soon(retention.run, uploader,
                                config.retention_interval.total_seconds())
@@ -169,6 +182,7 @@ async def serve(
                 log.info("unmounted %s", mountpoint)
             # Uploads still in flight stop here; the journal requeues them at the next mount.
             nursery.cancel_scope.cancel()
+            await _leave(coordinator, uploader)
     finally:
         journal.close()
         staging.close()
@@ -176,6 +190,20 @@ async def serve(
             if retention is not None:
                 await retention.aclose()
             await tier.aclose()
+
+
+async def _leave(coordinator: Coordinator, uploader: Uploader) -> None:
+    """After a clean unmount with nothing left to upload, this node no longer holds anything
+    the others' markers need: it deregisters. Otherwise it stays, and they wait for it."""
+    if uploader.outstanding() or not coordinator.registered:
+        log.info("node %s stays registered: %d items are left to upload", coordinator.node,
+                 len(uploader.outstanding()))
+        return
+    with trio.move_on_after(10, shield=True):
+        try:
+            await coordinator.deregister()
+        except (TierError, StoreUnavailable) as exc:
+            log.warning("could not deregister node %s: %s", coordinator.node, exc)
 
 
 def set_read_ahead(mountpoint: Path, kb: int) -> None:

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import crc32c
 import trio
@@ -52,9 +53,13 @@ from ckptfs.namespace import Namespace
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
 
+if TYPE_CHECKING:
+    from ckptfs.coordination import Coordinator
+
 log = logging.getLogger(__name__)
 
 BACKOFF_BASE = 0.5
+INLINE_SUMS = 256 * 1024  # files this small are summed on the trio thread
 BACKOFF_MAX = 60.0
 HURRY_DELAY = 1.0  # the longest a failed item waits while a writer waits for space
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -122,6 +127,7 @@ class Uploader:
         self.markers = tuple(markers)
         self._clock = clock
         self._seq = itertools.count(1)
+        self._last_number = 0
         self._pending: dict[WorkKey, Work] = {}
         self._inflight: dict[WorkKey, Work] = {}
         # Wake-ups: waiters take the current event, check the state, then wait on it; a change
@@ -130,6 +136,9 @@ class Uploader:
         self.stats = UploadStats()
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
+        # Set when other nodes may write to the same store (coordination.py): markers then
+        # also wait for every node's files closed before them.
+        self.coordinator: Coordinator | None = None
 
     # -- hooks from the filesystem core (trio thread, never block) -------------------------
 
@@ -161,19 +170,50 @@ class Uploader:
     def _queue(self, key: WorkKey) -> None:
         work = self._pending.get(key)
         if work is None:
-            self._pending[key] = Work(key, next(self._seq))
+            self._pending[key] = Work(key, self._number())
         elif self._names_marker(key):
             # A marker queued again is re-numbered so that it waits for whatever was queued
             # since: a rewritten `latest` must follow its new checkpoint. Other items keep
             # their first number, so markers queued since still wait for them.
-            work.seq = next(self._seq)
+            work.seq = self._number()
         work = self._pending[key]
         work.not_before = 0.0
+        if self.coordinator is not None:
+            self.coordinator.activity()
         self._wake()
+
+    def _number(self) -> int:
+        self._last_number = next(self._seq)
+        return self._last_number
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+    # -- for the coordinator (coordination.Queue) ---------------------------------------------
+
+    def current_seq(self) -> int:
+        """The number of the last item queued (items queued later have larger numbers)."""
+        return self._last_number
+
+    def data_outstanding(self, upto_seq: int) -> bool:
+        """Whether a file or directory item numbered ``upto_seq`` or less is not done yet
+        (markers and deletions of old copies aside)."""
+        return any(w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
+                   for w in (*self._pending.values(), *self._inflight.values()))
+
+    def held_markers(self) -> list[str]:
+        """Markers waiting for other nodes (``status``)."""
+        coordinator = self.coordinator
+        if coordinator is None:
+            return []
+        return sorted(os.fsdecode(self.journal.path_of(w.key[1]) or b"?")
+                      for w in self._pending.values()
+                      if self._names_marker(w.key) and not coordinator.is_released(w.seq))
+
+    def released(self) -> None:
+        """The coordinator let markers through: look at them again."""
+        self._wake()
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -264,6 +304,10 @@ class Uploader:
             marker = work.key[0] == "ino" and target is not None and is_marker(
                 target.rstrip("/").rsplit("/", 1)[-1], self.markers)
             if marker and floor < work.seq:
+                continue
+            if marker and self.coordinator is not None and \
+                    not self.coordinator.is_released(work.seq):
+                self.coordinator.want(work.seq)  # its barrier wakes us when the nodes agree
                 continue
             work.target = target
             return work, wake_at
@@ -389,8 +433,11 @@ class Uploader:
         source = self.staging.path(row.ino)
         size = row.size
         try:
-            checksum, sums = await trio.to_thread.run_sync(file_sums, source, size,
-                                                           self.min_block)
+            if size <= INLINE_SUMS:  # a thread hop costs more than summing a small file
+                checksum, sums = file_sums(source, size, self.min_block)
+            else:
+                checksum, sums = await trio.to_thread.run_sync(file_sums, source, size,
+                                                               self.min_block)
         except FileNotFoundError:
             if self.journal.path_of(row.ino) is None:
                 return  # unlinked since it was queued: nothing to upload

@@ -1,0 +1,299 @@
+"""Commit order across nodes: a commit marker reaches the store only after every file closed
+before it, on ANY node mounting the same store prefix, is committed (docs/SEMANTICS.md,
+"Many nodes").
+
+The nodes coordinate through the store alone, with small objects under ``.ckptfs/``
+(tiers/base.py ``CONTROL_PREFIX``); no server, no clocks compared:
+
+- **Registration.** At mount, before the first request is served, a node puts
+  ``.ckptfs/nodes/<node id>``. A clean unmount with nothing left to upload deletes it. A node
+  that was killed stays registered: markers wait for it until it comes back (the same staging
+  directory is the same node id) and has uploaded what it had, or until an operator removes
+  it (``ckptfs nodes forget``).
+- **Barrier.** When node A has a marker ready (everything A closed before it committed, the
+  local rule in upload.py), it puts ``.ckptfs/barriers/<A>/<n>`` and then rewrites
+  ``.ckptfs/epoch``. Its markers queued so far are released once every other registered node
+  has acknowledged the barrier; then A deletes the barrier and its acks.
+- **Ack.** Every node reads ``.ckptfs/epoch`` each poll. When its tag changes, the node lists
+  the barriers; for each one new to it, it notes the number of the last item its uploader has
+  queued, waits until every data item (not markers, not deletions) numbered so far is done,
+  and puts ``.ckptfs/acks/<A>/<n>/<itself>``.
+
+Why this is enough: a file that node B closed before A's marker was closed is in B's queue
+at close time (close queues synchronously). A posts the barrier after the marker was closed,
+and B notes its queue only after it saw the barrier, so the number it notes covers the file;
+B acks only once the file is committed. A node that registers after A listed the nodes mounted
+after the marker was closed, so nothing it closes is "before" it.
+
+Markers do not wait for other nodes' markers (an ack does not wait for the node's own
+markers): two nodes each holding a marker would otherwise wait for each other forever.
+
+Store requests per node: one GET of the epoch per poll (``node_poll_interval`` while there is
+work or a recent barrier, ``node_idle_poll_interval`` when idle); per barrier, one LIST of the
+barriers and one PUT of the ack on every other node, and on the poster one PUT of the barrier,
+one of the epoch, a LIST of nodes and of acks per poll until done, and the clean-up DELETEs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from ckptfs.errors import StoreUnavailable
+from ckptfs.tiers.base import CONTROL_PREFIX, ObjectMissing, Tier, TierError
+
+log = logging.getLogger(__name__)
+
+NODES = CONTROL_PREFIX + "nodes/"
+BARRIERS = CONTROL_PREFIX + "barriers/"
+ACKS = CONTROL_PREFIX + "acks/"
+EPOCH = CONTROL_PREFIX + "epoch"
+NODE_ID_FILE = "node-id"
+RECENT = 60.0  # seconds after a barrier or upload during which a node polls at the fast rate
+BACKOFF_MAX = 30.0
+
+
+class Queue(Protocol):
+    """What the coordinator needs from the uploader (upload.py)."""
+
+    def current_seq(self) -> int: ...
+    def data_outstanding(self, upto_seq: int) -> bool: ...
+    def released(self) -> None: ...
+
+
+def node_id(staging_root: Path, configured: str | None = None) -> str:
+    """This node's id: configured, or made once per staging directory and kept in it, so that a
+    restart (which finds the same journal) is the same node."""
+    if configured:
+        return configured
+    path = staging_root / NODE_ID_FILE
+    try:
+        found = path.read_text().strip()
+        if found:
+            return found
+    except FileNotFoundError:
+        pass
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    made = f"{host or 'node'}-{secrets.token_hex(4)}"
+    tmp = path.with_name(NODE_ID_FILE + ".tmp")
+    tmp.write_text(made + "\n")
+    os.replace(tmp, path)
+    return made
+
+
+@dataclass
+class _Seen:
+    """A barrier of another node, seen and not acknowledged yet."""
+
+    upto: int  # our last queued item when we first saw it
+
+
+@dataclass
+class CoordinationStats:
+    barriers_posted: int = 0
+    barriers_acked: int = 0
+    requests: dict[str, int] = field(default_factory=dict)
+
+
+class Coordinator:
+    """One per mount; ``run`` lives in the mount's nursery beside the uploader."""
+
+    def __init__(
+        self, tier: Tier, node: str, queue: Queue, *, poll: float = 1.0,
+        idle_poll: float = 10.0, clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.tier = tier
+        self.node = node
+        self.queue = queue
+        self.poll = poll
+        self.idle_poll = max(idle_poll, poll)
+        self._clock = clock
+        self._released = 0  # markers numbered up to this may go to the store
+        self._wanted = 0  # the highest marker number waiting for a barrier
+        self._kick = trio.Event()
+        self._numbers = itertools.count(int(time.time() * 1000))
+        self._last_activity = -math.inf
+        self.waiting_for: list[str] = []  # nodes that have not acked our barrier yet
+        self.barrier: str | None = None
+        self.error: str | None = None
+        self.stats = CoordinationStats()
+        self.registered = False
+
+    # -- the uploader's side ----------------------------------------------------------------
+
+    def is_released(self, seq: int) -> bool:
+        return seq <= self._released
+
+    def want(self, seq: int) -> None:
+        """A marker numbered ``seq`` is ready on this node: post a barrier for it."""
+        if seq > self._wanted:
+            self._wanted = seq
+            self._wake()
+
+    def activity(self) -> None:
+        """Something was queued or uploaded: poll at the fast rate for a while."""
+        self._last_activity = self._clock()
+
+    def _wake(self) -> None:
+        self._kick.set()
+        self._kick = trio.Event()
+
+    # -- registration -----------------------------------------------------------------------
+
+    async def register(self) -> None:
+        body = json.dumps({"node": self.node, "host": socket.gethostname(),
+                           "pid": os.getpid(), "since": time.time()}).encode()
+        await self._request("put", self.tier.put_small, NODES + self.node, body)
+        self.registered = True
+
+    async def deregister(self) -> None:
+        await self._request("delete", self.tier.delete, NODES + self.node)
+        self.registered = False
+
+    async def nodes(self) -> set[str]:
+        """The registered nodes."""
+        return {k for k in await self._names(NODES) if "/" not in k}
+
+    async def _names(self, prefix: str) -> list[str]:
+        """The objects under ``prefix``, relative to it (a file tier also lists directories:
+        not objects here)."""
+        infos = await self._request("list", self.tier.list, prefix)
+        return [i.key[len(prefix):] for i in infos if not i.key.endswith("/")]
+
+    # -- the task ---------------------------------------------------------------------------
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self._drop_own_barriers()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._retrying, self._post_barriers)
+            nursery.start_soon(self._retrying, self._ack_barriers)
+            task_status.started()
+
+    async def _retrying(self, loop: Callable[[], Any]) -> None:
+        failures = 0
+        while True:
+            try:
+                await loop()
+            except (StoreUnavailable, TierError, ObjectMissing, OSError) as exc:
+                failures += 1
+                self.error = f"{type(exc).__name__}: {exc}"
+                delay = min(BACKOFF_MAX, self.poll * 2 ** min(failures, 10))
+                log.warning("node coordination through %s failed (retry in %.0fs): %s",
+                            self.tier.url, delay, exc)
+                await trio.sleep(delay)
+
+    async def _drop_own_barriers(self) -> None:
+        """Barriers we posted before a crash: the markers they were for are requeued and post
+        new ones."""
+        try:
+            numbers = await self._names(BARRIERS + self.node + "/")
+        except (StoreUnavailable, TierError) as exc:
+            log.warning("could not list old barriers of %s: %s", self.node, exc)
+            return
+        for number in numbers:
+            await self._cleanup(f"{self.node}/{number}")
+
+    async def _post_barriers(self) -> None:
+        while True:
+            while self._wanted <= self._released:
+                await self._kick.wait()
+            upto = max(self.queue.current_seq(), self._wanted)
+            others = await self.nodes() - {self.node}
+            if not others:
+                self._release(upto)
+                continue
+            name = f"{self.node}/{next(self._numbers)}"
+            body = json.dumps({"node": self.node, "upto": upto, "at": time.time()}).encode()
+            await self._request("put", self.tier.put_small, BARRIERS + name, body)
+            await self._request("put", self.tier.put_small, EPOCH, name.encode())
+            self.barrier = name
+            self.stats.barriers_posted += 1
+            self.activity()
+            while True:
+                others = await self.nodes() - {self.node}
+                acked = set(await self._names(f"{ACKS}{name}/"))
+                self.waiting_for = sorted(others - acked)
+                if not self.waiting_for:
+                    break
+                await trio.sleep(self.poll)
+            self.error = None
+            self._release(upto)
+            await self._cleanup(name)
+
+    def _release(self, upto: int) -> None:
+        self._released = max(self._released, upto)
+        self.waiting_for = []
+        self.barrier = None
+        self.queue.released()
+
+    async def _cleanup(self, name: str) -> None:
+        """Remove a barrier and its acks (best effort: leftovers are harmless, a late ack may
+        even come after)."""
+        try:
+            await self._remove(name)
+        except (StoreUnavailable, TierError) as exc:
+            log.info("could not remove barrier %s: %s", name, exc)
+
+    async def _remove(self, name: str) -> None:
+        for acker in await self._names(f"{ACKS}{name}/"):
+            await self._request("delete", self.tier.delete, f"{ACKS}{name}/{acker}")
+        await self._request("delete", self.tier.delete, BARRIERS + name)
+        await self._request("delete", self.tier.delete, f"{ACKS}{name}/")  # a file tier's dir
+
+    async def _ack_barriers(self) -> None:
+        epoch: str | None = None
+        seen: dict[str, _Seen] = {}
+        acked: set[str] = set()
+        first = True
+        while True:
+            try:
+                _, tag = await self._request("get", self.tier.get_small, EPOCH)
+            except ObjectMissing:
+                tag = ""
+            if tag != epoch or first:
+                first = False
+                listed = {n for n in await self._names(BARRIERS)
+                          if not n.startswith(self.node + "/")}
+                for name in sorted(listed - acked - set(seen)):
+                    seen[name] = _Seen(self.queue.current_seq())
+                    self.activity()
+                acked &= listed
+                for name in set(seen) - listed:
+                    del seen[name]  # withdrawn (its node restarted, or it was forgotten)
+                epoch = tag
+            for name, barrier in list(seen.items()):
+                if not self.queue.data_outstanding(barrier.upto):
+                    await self._request("put", self.tier.put_small,
+                                        f"{ACKS}{name}/{self.node}", b"")
+                    del seen[name]
+                    acked.add(name)
+                    self.stats.barriers_acked += 1
+            self.error = None
+            recent = self._clock() - self._last_activity < RECENT
+            await trio.sleep(self.poll if seen or recent else self.idle_poll)
+
+    async def _request(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+        self.stats.requests[kind] = self.stats.requests.get(kind, 0) + 1
+        return await fn(*args)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "registered": self.registered,
+            "barrier": self.barrier,
+            "waiting_for": list(self.waiting_for),
+            "error": self.error,
+            "requests": dict(self.stats.requests),
+        }

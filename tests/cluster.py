@@ -1,0 +1,110 @@
+"""Nodes without a mount: each is the filesystem core, its uploader and its coordinator over
+its own staging directory, all over one memory store (the nodes of a training job sharing a
+bucket). A node can be killed (its tasks cancelled where they are, nothing deregistered: the
+journal is what a SIGKILL leaves) and restarted over the same staging directory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from ckptfs import errors
+from ckptfs.config import DEFAULT_COMMIT_MARKERS
+from ckptfs.coordination import Coordinator, node_id
+from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
+from ckptfs.journal import ROOT_INODE, Journal
+from ckptfs.staging import Staging
+from ckptfs.tiers.base import Tier
+from ckptfs.tiers.faulty import FaultyTier
+from ckptfs.tiers.memory import MemoryTier
+from ckptfs.upload import Uploader
+
+SETTINGS = ReadSettings(metadata_ttl=5.0, fetch_block_size=256 * 1024, fetch_concurrency=4,
+                        readahead_bytes=1024 * 1024)
+
+
+@dataclass
+class Node:
+    name: str
+    fs: Filesystem
+    tier: FaultyTier
+    uploader: Uploader
+    coordinator: Coordinator
+    scope: trio.CancelScope
+    stop_requested: trio.Event
+    stopped: trio.Event
+
+    async def write(self, path: str, data: bytes) -> None:
+        parent = ROOT_INODE
+        parts = path.split("/")
+        for part in parts[:-1]:
+            try:
+                parent = (await self.fs.lookup(parent, part.encode())).ino
+            except errors.NotFound:
+                try:
+                    parent = self.fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
+                except errors.AlreadyExists:  # another writer of this node made it meanwhile
+                    parent = (await self.fs.lookup(parent, part.encode())).ino
+        fh, _ = self.fs.create(parent, parts[-1].encode(), 0o644, os.O_WRONLY | os.O_CREAT,
+                               ROOT_CALLER)
+        await self.fs.write(fh, 0, data)
+        self.fs.flush(fh)
+        self.fs.release(fh)
+
+    def kill(self) -> None:
+        """SIGKILL: every task stops where it is; the journal keeps what it recorded, the
+        node stays registered."""
+        self.scope.cancel()
+
+    async def stop(self) -> None:
+        """A clean unmount (uploads in flight stop; it deregisters if nothing is left)."""
+        self.stop_requested.set()
+        await self.stopped.wait()
+
+
+def make_tier(store: str, wrap: Tier | None = None) -> FaultyTier:
+    return FaultyTier(wrap or MemoryTier("warm", f"memory://{store}", store))
+
+
+async def run_node(
+    root: Path, store: str, *, poll: float = 1.0, idle_poll: float = 10.0,
+    tier: FaultyTier | None = None, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A node, started with ``nursery.start``: it runs until ``stop()`` or ``kill()``."""
+    tier = tier or make_tier(store)
+    staging = Staging(root)
+    staging.prepare()
+    journal = Journal(root / "journal.db")
+    fs = Filesystem(journal, staging, tier=tier, read=SETTINGS)
+    stopped = trio.Event()
+    try:
+        fs.start()
+        uploader = Uploader(journal, fs.ns, staging, tier, concurrency=2,
+                            markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size)
+        fs.listener = uploader
+        uploader.requeue_from_journal()
+        coordinator = Coordinator(tier, node_id(root), uploader, poll=poll, idle_poll=idle_poll)
+        uploader.coordinator = coordinator
+        await coordinator.register()
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(uploader.run)
+                await nursery.start(coordinator.run)
+                assert fs.fetcher is not None
+                fs.fetcher.nursery = nursery
+                node = Node(coordinator.node, fs, tier, uploader, coordinator, scope,
+                            trio.Event(), stopped)
+                task_status.started(node)
+                await node.stop_requested.wait()
+                nursery.cancel_scope.cancel()
+        if not scope.cancel_called and not uploader.outstanding():
+            await coordinator.deregister()
+    finally:
+        fs.close()
+        journal.close()
+        staging.close()
+        stopped.set()
