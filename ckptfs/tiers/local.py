@@ -11,17 +11,29 @@ Invariants:
 - Copy is a hard link where the filesystem allows it (a rename on the store costs no data
   copy), a streamed copy otherwise.
 - All blocking I/O runs in worker threads in chunks, so cancellation is seen between chunks.
+- Nothing beneath the root is reached through a symlink. Anyone who can write the store could
+  plant one (``step_1 -> /etc``), and ckptfs often runs as root: following it would write, read
+  or delete outside the store. So every operation opens the root (which the admin configured,
+  and which may itself be a symlink), then each component of the key beneath the previous one
+  with ``O_NOFOLLOW`` and ``dir_fd``, and acts on the leaf with ``*at`` calls relative to its
+  parent's fd (``O_NOFOLLOW`` opens, ``renameat``, ``unlinkat``, ``linkat`` without
+  ``AT_SYMLINK_FOLLOW``, ``mkdirat``). A symlink where a key needs a directory, or where it
+  needs a file to read, is ``SymlinkInStore`` (a permanent ``TierError``); a listing reports a
+  symlink as a symlink entry and never descends into it. Symlinks that are objects of the mount
+  (``latest -> step_9``) are still stored, listed, copied and deleted as the links themselves.
+- Only regular files are read as objects: a FIFO or device planted in the store is refused
+  (opened ``O_NONBLOCK``, so that it cannot hang a worker thread first).
+- The directory fds are opened per call (a few ``openat`` per operation, none per byte).
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import errno
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +61,18 @@ _XATTR_CHECKSUM = "user.ckptfs.checksum"
 _XATTR_BLOCKS = "user.ckptfs.blocks"
 _TRANSIENT = {errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE, errno.EAGAIN,
               errno.ENOSPC, errno.EDQUOT, errno.EHOSTDOWN, errno.ECONNRESET}
+# A directory beneath the root: never through a symlink (O_NOFOLLOW; with O_DIRECTORY a
+# symlink fails with ENOTDIR, a missing name with ENOENT).
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# An object to read: a symlink fails with ELOOP; O_NONBLOCK so that a FIFO cannot block the
+# open (it has no effect on regular files, the only kind read).
+_READ_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_OPEN = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class SymlinkInStore(TierError):
+    """A symlink inside the store stands where a key needs a directory (or a file to read):
+    ckptfs never follows one, whatever it points to."""
 
 
 class FileTier(Tier):
@@ -58,29 +82,92 @@ class FileTier(Tier):
         self.root = root
         self._limiter = limiter or trio.CapacityLimiter(8)
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: Callable[..., T], *args: Any, key: str | None = None) -> T:
         try:
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         except FileNotFoundError as exc:
-            raise ObjectMissing(str(exc.filename)) from exc
+            raise ObjectMissing(key if key is not None else str(exc.filename)) from exc
         except OSError as exc:
             if exc.errno in _TRANSIENT:
                 raise StoreUnavailable(f"{self.url}: {exc}") from exc
             raise TierError(f"{self.url}: {exc}") from exc
 
-    def _path(self, key: str) -> Path:
+    # -- resolving keys beneath the root, never through a symlink ---------------------------
+
+    def _parts(self, key: str) -> list[str]:
         key = key.rstrip("/")
         parts = key.split("/") if key else []
         if any(p in ("", ".", "..") for p in parts):
             raise TierError(f"invalid key {key!r}")
-        return self.root.joinpath(*parts)
+        return parts
+
+    def _split(self, key: str) -> tuple[list[str], str]:
+        """The parent directories of ``key`` and its own name."""
+        parts = self._parts(key)
+        if not parts:
+            raise TierError(f"invalid key {key!r}")
+        return parts[:-1], parts[-1]
+
+    def _open_root(self, create: bool) -> int:
+        # The root itself is the admin's choice and may be a symlink (to a Lustre mount, say):
+        # it is the one path that is followed.
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                raise
+        self.root.mkdir(parents=True, exist_ok=True)
+        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _open_dir(self, parts: list[str], create: bool) -> int:
+        """An fd of the directory ``root/parts``, each component opened beneath the previous
+        one; with ``create``, missing ones are made. The caller closes it."""
+        fd = self._open_root(create)
+        try:
+            for depth, name in enumerate(parts):
+                where = "/".join(parts[:depth + 1])
+                try:
+                    child = _open_subdir(fd, name, where)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(name, 0o777, dir_fd=fd)  # the umask decides, as mkdir -p
+                    except FileExistsError:
+                        pass  # made meanwhile (another put, another node): use it
+                    child = _open_subdir(fd, name, where)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_object(self, key: str) -> int:
+        """An fd reading the regular file at ``key``. The caller closes it."""
+        parents, name = self._split(key)
+        dir_fd = self._open_dir(parents, create=False)
+        try:
+            return _open_leaf(dir_fd, name, key)
+        finally:
+            os.close(dir_fd)
+
+    async def open_object(self, key: str) -> int:
+        """An fd reading the object at ``key`` (transfer.py copies from it); caller closes."""
+        fd: int = await self._run(self._open_object, key, key=key)
+        return fd
+
+    # -- the Tier interface ------------------------------------------------------------------
 
     async def check(self) -> None:
         def probe() -> None:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f"{TMP_MARK}probe.{secrets.token_hex(4)}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            root_fd = self._open_dir([], create=True)
+            try:
+                name = f"{TMP_MARK}probe.{secrets.token_hex(4)}"
+                os.close(os.open(name, _CREATE_OPEN, 0o600, dir_fd=root_fd))
+                os.unlink(name, dir_fd=root_fd)
+            finally:
+                os.close(root_fd)
 
         try:
             await self._run(probe)
@@ -90,80 +177,93 @@ class FileTier(Tier):
     async def cleanup(self, keys_of_ours: set[str]) -> int:
         def sweep() -> int:
             removed = 0
-            for dirpath, dirnames, filenames in os.walk(self.root):
-                for name in filenames + dirnames:
-                    if TMP_MARK in name and name.startswith("."):
-                        target = name[1:name.index(TMP_MARK)]
-                        rel = os.path.relpath(os.path.join(dirpath, target), self.root)
-                        if rel in keys_of_ours:
-                            os.unlink(os.path.join(dirpath, name))
-                            removed += 1
+            try:
+                root_fd = self._open_dir([], create=False)
+            except FileNotFoundError:
+                return 0
+            try:
+                for rel_dir, dir_fd, entries in _walk(root_fd):
+                    for entry in entries:
+                        name = entry.name
+                        if TMP_MARK in name and name.startswith("."):
+                            target = name[1:name.index(TMP_MARK)]
+                            if rel_dir + target in keys_of_ours:
+                                _unlink_quiet_at(dir_fd, name)
+                                removed += 1
+            finally:
+                os.close(root_fd)
             return removed
 
         result: int = await self._run(sweep)
         return result
 
-    def _tmp_for(self, path: Path) -> Path:
-        return path.with_name(f".{path.name}{TMP_MARK}{secrets.token_hex(6)}")
-
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
         progress: Progress | None = None,
     ) -> str | None:
-        path = self._path(key)
-        await self._run(lambda: path.parent.mkdir(parents=True, exist_ok=True))
-        tmp = self._tmp_for(path)
-        src_fd = await self._run(os.open, source, os.O_RDONLY | os.O_CLOEXEC)
+        parents, name = self._split(key)
+        tmp = _tmp_name(name)
+        # Held for the whole put: the temporary file, the rename and the fsync all happen in
+        # this directory, whatever is renamed or planted along the path meanwhile.
+        dir_fd = await self._run(self._open_dir, parents, True, key=key)
         try:
-            dst_fd = await self._run(os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            src_fd = await self._run(os.open, source, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                done = 0
-                while done < size:
-                    n = await self._run(_copy_chunk, src_fd, dst_fd, done, min(CHUNK, size - done))
-                    if n == 0:
-                        raise TierError(f"{source} is shorter than {size} bytes")
-                    done += n
-                    if progress:
-                        progress(n)
-                await self._run(_finish, dst_fd, meta)
+                dst_fd = await self._run(_create_at, dir_fd, tmp, 0o600)
+                try:
+                    done = 0
+                    while done < size:
+                        n = await self._run(_copy_chunk, src_fd, dst_fd, done,
+                                            min(CHUNK, size - done))
+                        if n == 0:
+                            raise TierError(f"{source} is shorter than {size} bytes")
+                        done += n
+                        if progress:
+                            progress(n)
+                    await self._run(_finish, dst_fd, meta)
+                finally:
+                    os.close(dst_fd)
+                await self._run(_publish, dir_fd, tmp, name, key)
+                published: os.stat_result = await self._run(_lstat_at, dir_fd, name)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(_unlink_quiet_at, dir_fd, tmp)
+                raise
             finally:
-                os.close(dst_fd)
-            await self._run(_publish, tmp, path)
-            published: os.stat_result = await self._run(os.stat, path)
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(_unlink_quiet, tmp)
-            raise
+                os.close(src_fd)
         finally:
-            os.close(src_fd)
+            os.close(dir_fd)
         return _tag(published)
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
-        path = self._path(key)
+        parents, name = self._split(key)
 
         def make() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if meta.kind is Kind.DIRECTORY:
-                if path.is_symlink() or (path.exists() and not path.is_dir()):
-                    path.unlink()
-                path.mkdir(exist_ok=True)
-                os.chmod(path, stat.S_IMODE(meta.mode))
-                os.utime(path, ns=(meta.mtime_ns, meta.mtime_ns))
-                _chown(path, meta)
-            else:
-                tmp = self._tmp_for(path)
-                os.symlink(meta.target or "", tmp)
-                _chown(tmp, meta)
-                os.utime(tmp, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
-                _publish(tmp, path)
+            dir_fd = self._open_dir(parents, create=True)
+            try:
+                if meta.kind is Kind.DIRECTORY:
+                    _make_directory(dir_fd, name, key, meta)
+                else:
+                    tmp = _tmp_name(name)
+                    os.symlink(meta.target or "", tmp, dir_fd=dir_fd)
+                    try:
+                        if os.geteuid() == 0:
+                            os.chown(tmp, meta.uid, meta.gid, dir_fd=dir_fd,
+                                     follow_symlinks=False)
+                        os.utime(tmp, ns=(meta.mtime_ns, meta.mtime_ns), dir_fd=dir_fd,
+                                 follow_symlinks=False)
+                        _publish(dir_fd, tmp, name, key)
+                    except BaseException:
+                        _unlink_quiet_at(dir_fd, tmp)
+                        raise
+            finally:
+                os.close(dir_fd)
 
-        await self._run(make)
+        await self._run(make, key=key)
 
     async def read_into(self, key: str, offset: int, length: int, fd: int, fd_offset: int) -> int:
-        path = self._path(key)
-
         def copy() -> int:
-            src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            src = self._open_object(key)
             try:
                 done = 0
                 in_kernel = True
@@ -194,84 +294,127 @@ class FileTier(Tier):
             finally:
                 os.close(src)
 
-        result: int = await self._run(copy)
+        result: int = await self._run(copy, key=key)
         return result
 
     async def head(self, key: str) -> ObjectInfo:
-        path = self._path(key)
-        result: ObjectInfo = await self._run(_info, path, key.rstrip("/"))
+        parents, name = self._split(key)
+
+        def stat_it() -> ObjectInfo:
+            dir_fd = self._open_dir(parents, create=False)
+            try:
+                return _info(dir_fd, name, key.rstrip("/"))
+            finally:
+                os.close(dir_fd)
+
+        result: ObjectInfo = await self._run(stat_it, key=key)
         return result
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         def walk() -> list[ObjectInfo]:
             found = []
-            for dirpath, dirnames, filenames in os.walk(self.root):
-                rel_dir = os.path.relpath(dirpath, self.root)
-                rel_dir = "" if rel_dir == "." else rel_dir + "/"
-                for name in sorted(dirnames + filenames):
-                    if TMP_MARK in name:
-                        continue
-                    key = rel_dir + name
-                    try:
-                        info = _info(Path(dirpath) / name, key)
-                    except FileNotFoundError:
-                        continue  # removed while we walked
-                    if info.key.startswith(prefix):
-                        found.append(info)
+            try:
+                root_fd = self._open_dir([], create=False)
+            except FileNotFoundError:
+                return []
+
+            def wanted(dir_key: str) -> bool:
+                # Only directories that can hold keys starting with the prefix.
+                return dir_key.startswith(prefix) or prefix.startswith(dir_key)
+
+            try:
+                for rel_dir, dir_fd, entries in _walk(root_fd, wanted):
+                    for entry in sorted(entries, key=lambda e: e.name):
+                        if TMP_MARK in entry.name:
+                            continue
+                        try:
+                            info = _info(dir_fd, entry.name, rel_dir + entry.name)
+                        except FileNotFoundError:
+                            continue  # removed while we walked
+                        if info.key.startswith(prefix):
+                            found.append(info)
+            finally:
+                os.close(root_fd)
             return sorted(found, key=lambda i: i.key)
 
         result: list[ObjectInfo] = await self._run(walk)
         return result
 
     async def list_dir(self, prefix: str) -> builtins.list[ObjectInfo]:
-        directory = self._path(prefix) if prefix else self.root
+        parts = self._parts(prefix)
 
         def scan() -> list[ObjectInfo]:
             found = []
             try:
-                entries = list(os.scandir(directory))
-            except (FileNotFoundError, NotADirectoryError):
-                return []
-            for entry in entries:
-                if TMP_MARK in entry.name:
-                    continue
-                try:
-                    found.append(_info(Path(entry.path), prefix + entry.name))
-                except FileNotFoundError:
-                    continue  # removed while we scanned
+                dir_fd = self._open_dir(parts, create=False)
+            except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+                return []  # nothing beneath the root there (a symlink is not followed)
+            try:
+                with os.scandir(dir_fd) as it:
+                    names = [entry.name for entry in it]
+                for name in names:
+                    if TMP_MARK in name:
+                        continue
+                    try:
+                        found.append(_info(dir_fd, name, prefix + name))
+                    except FileNotFoundError:
+                        continue  # removed while we scanned
+            finally:
+                os.close(dir_fd)
             return sorted(found, key=lambda i: i.key)
 
         result: list[ObjectInfo] = await self._run(scan)
         return result
 
     async def copy(self, src: str, dst: str) -> None:
-        src_path, dst_path = self._path(src), self._path(dst)
+        src_parents, src_name = self._split(src)
+        dst_parents, dst_name = self._split(dst)
 
         def do_copy() -> None:
-            dst_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._tmp_for(dst_path)
-            if src_path.is_symlink():
-                os.symlink(os.readlink(src_path), tmp)
-            else:
+            src_dir = self._open_dir(src_parents, create=False)
+            try:
+                dst_dir = self._open_dir(dst_parents, create=True)
                 try:
-                    os.link(src_path, tmp)
-                except OSError as exc:
-                    if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                    tmp = _tmp_name(dst_name)
+                    try:
+                        st = os.stat(src_name, dir_fd=src_dir, follow_symlinks=False)
+                        if stat.S_ISLNK(st.st_mode):
+                            # The link itself (an object of the mount), not what it names.
+                            os.symlink(os.readlink(src_name, dir_fd=src_dir), tmp,
+                                       dir_fd=dst_dir)
+                        else:
+                            try:
+                                os.link(src_name, tmp, src_dir_fd=src_dir, dst_dir_fd=dst_dir,
+                                        follow_symlinks=False)
+                            except OSError as exc:
+                                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK,
+                                                     errno.ENOTSUP):
+                                    raise
+                                _full_copy(src_dir, src_name, src, dst_dir, tmp)
+                        _publish(dst_dir, tmp, dst_name, dst)
+                    except BaseException:
+                        _unlink_quiet_at(dst_dir, tmp)
                         raise
-                    _full_copy(src_path, tmp)
-            _publish(tmp, dst_path)
+                finally:
+                    os.close(dst_dir)
+            finally:
+                os.close(src_dir)
 
-        await self._run(do_copy)
+        await self._run(do_copy, key=src)
 
     async def delete(self, key: str) -> None:
-        path = self._path(key)
+        parents, name = self._split(key)
 
         def remove() -> None:
             try:
+                dir_fd = self._open_dir(parents, create=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return  # nothing there (a file where a directory was: not ours either)
+            try:
                 if key.endswith("/"):
-                    os.rmdir(path)
+                    os.rmdir(name, dir_fd=dir_fd)
                 else:
-                    os.unlink(path)
+                    os.unlink(name, dir_fd=dir_fd)  # a symlink itself, never what it names
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -282,50 +425,176 @@ class FileTier(Tier):
                 # not ours to delete. (An object store keeps "x" and "x/" apart; a tree cannot.)
                 if exc.errno not in (errno.ENOTDIR, errno.EISDIR):
                     raise
+            finally:
+                os.close(dir_fd)
 
-        await self._run(remove)
-
+        await self._run(remove, key=key)
 
     async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,
                         if_tag: str | None = None) -> str:
-        path = self._path(key)
-        tmp = self._tmp_for(path)
+        parents, name = self._split(key)
 
         def put() -> str:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-                # Its tag, before anyone can see it: once published it may be swapped away.
-                tag = _small_tag_of(os.fstat(f.fileno()), data)
+            dir_fd = self._open_dir(parents, create=True)
+            tmp = _tmp_name(name)
             try:
+                fd = _create_at(dir_fd, tmp, 0o666)  # the umask decides, as open() did
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                    # Its tag, before anyone can see it: once published it may be swapped away.
+                    tag = _small_tag_of(os.fstat(fd), data)
+                finally:
+                    os.close(fd)
                 if if_tag is not None:
-                    _swap_small(path, tmp, if_tag)
+                    _swap_small(dir_fd, name, tmp, if_tag, key)
                 elif if_absent:
                     try:
-                        os.link(tmp, path)  # atomic create-if-absent, also over NFS
+                        # Atomic create-if-absent, also over NFS.
+                        os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
+                                follow_symlinks=False)
                     except FileExistsError:
                         raise PreconditionFailed(f"{self.url}: {key}: exists") from None
                 else:
-                    os.replace(tmp, path)
+                    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                return tag
             finally:
-                _unlink_quiet(tmp)
-            return tag
+                _unlink_quiet_at(dir_fd, tmp)
+                os.close(dir_fd)
 
-        tag: str = await self._run(put)
+        tag: str = await self._run(put, key=key)
         return tag
 
     async def get_small(self, key: str) -> tuple[bytes, str]:
-        path = self._path(key)
-
         def get() -> tuple[bytes, str]:
-            with open(path, "rb") as f:
-                data = f.read()
-                return data, _small_tag_of(os.fstat(f.fileno()), data)
+            fd = self._open_object(key)
+            try:
+                return _read_tagged(fd)
+            finally:
+                os.close(fd)
 
-        result: tuple[bytes, str] = await self._run(get)
+        result: tuple[bytes, str] = await self._run(get, key=key)
         return result
+
+
+# -- helpers working relative to a directory fd ------------------------------------------------
+
+
+def _tmp_name(name: str) -> str:
+    return f".{name}{TMP_MARK}{secrets.token_hex(6)}"
+
+
+def _is_symlink_at(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _open_subdir(dir_fd: int, name: str, where: str) -> int:
+    try:
+        return os.open(name, _DIR_OPEN, dir_fd=dir_fd)
+    except NotADirectoryError:
+        # O_DIRECTORY | O_NOFOLLOW fails the same way on a file and on a symlink: tell them
+        # apart (only on this error path) for the message.
+        if _is_symlink_at(dir_fd, name):
+            raise SymlinkInStore(f"{where} is a symlink inside the store: not followed") from None
+        raise
+
+
+def _open_leaf(dir_fd: int, name: str, key: str) -> int:
+    try:
+        fd = os.open(name, _READ_OPEN, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SymlinkInStore(f"{key} is a symlink inside the store: not followed") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise TierError(f"{key} is not a regular file in the store")
+    return fd
+
+
+def _walk(root_fd: int, wanted: Callable[[str], bool] = lambda _: True
+          ) -> Iterator[tuple[str, int, list[os.DirEntry[str]]]]:
+    """``(rel_dir, dir_fd, entries)`` for the root and every directory beneath it whose key
+    ``wanted`` accepts (``rel_dir`` is "" or "a/b/"). Each directory is opened beneath its
+    parent's fd with ``O_NOFOLLOW``: a symlink is an entry, never descended into."""
+    stack = [("", os.dup(root_fd))]
+    try:
+        while stack:
+            rel_dir, dir_fd = stack.pop()
+            try:
+                with os.scandir(dir_fd) as it:
+                    entries = list(it)
+                yield rel_dir, dir_fd, entries
+                for entry in entries:
+                    # d_type, or an fstatat beneath dir_fd: neither follows a symlink.
+                    if TMP_MARK in entry.name or not entry.is_dir(follow_symlinks=False):
+                        continue
+                    child_key = rel_dir + entry.name + "/"
+                    if not wanted(child_key):
+                        continue
+                    try:
+                        child = os.open(entry.name, _DIR_OPEN, dir_fd=dir_fd)
+                    except (FileNotFoundError, NotADirectoryError):
+                        continue  # removed, or swapped for a file or a symlink, since the scan
+                    stack.append((child_key, child))
+            finally:
+                os.close(dir_fd)
+    finally:
+        for _, fd in stack:
+            os.close(fd)
+
+
+def _create_at(dir_fd: int, name: str, mode: int) -> int:
+    return os.open(name, _CREATE_OPEN, mode, dir_fd=dir_fd)
+
+
+def _lstat_at(dir_fd: int, name: str) -> os.stat_result:
+    return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _unlink_quiet_at(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _getxattr_at(dir_fd: int, name: str, attr: str) -> bytes:
+    # getxattr has no *at form. /proc/self/fd/N is the directory we hold open (not a path
+    # resolved again), and follow_symlinks=False (lgetxattr) does not follow the leaf; no
+    # open() either, which costs a metadata round trip on Lustre or NFS.
+    return os.getxattr(f"/proc/self/fd/{dir_fd}/{name}", attr, follow_symlinks=False)
+
+
+def _make_directory(dir_fd: int, name: str, key: str, meta: ObjectMeta) -> None:
+    try:
+        st: os.stat_result | None = _lstat_at(dir_fd, name)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dir_fd)  # a file or symlink (the link itself) made way
+    try:
+        os.mkdir(name, 0o777, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    fd = _open_subdir(dir_fd, name, key.rstrip("/"))
+    try:
+        os.fchmod(fd, stat.S_IMODE(meta.mode))
+        os.utime(fd, ns=(meta.mtime_ns, meta.mtime_ns))
+        if os.geteuid() == 0:
+            os.fchown(fd, meta.uid, meta.gid)
+    finally:
+        os.close(fd)
 
 
 def _small_tag_of(st: os.stat_result, data: bytes) -> str:
@@ -334,30 +603,49 @@ def _small_tag_of(st: os.stat_result, data: bytes) -> str:
     return f"{st.st_ino:x}-{crc32c.crc32c(data):08x}"
 
 
-def _small_tag(path: Path) -> str:
-    with open(path, "rb") as f:
-        return _small_tag_of(os.fstat(f.fileno()), f.read())
+def _read_tagged(fd: int) -> tuple[bytes, str]:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    return data, _small_tag_of(os.fstat(fd), data)
 
 
-def _swap_small(path: Path, new: Path, expected: str) -> None:
-    """Replace ``path`` by ``new`` only if its tag is ``expected``, atomically against other
+def _swap_small(dir_fd: int, name: str, new: str, expected: str, key: str) -> None:
+    """Replace ``name`` by ``new`` only if its tag is ``expected``, atomically against other
     nodes doing the same: the old file is first renamed aside, which only one of them can do."""
-    aside = path.with_name(f".{path.name}{TMP_MARK}swap.{secrets.token_hex(6)}")
+    aside = f".{name}{TMP_MARK}swap.{secrets.token_hex(6)}"
     try:
-        os.rename(path, aside)
+        os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except FileNotFoundError:
-        raise PreconditionFailed(f"{path}: missing") from None
+        raise PreconditionFailed(f"{key}: missing") from None
     try:
-        if _small_tag(aside) != expected:
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, path)  # put it back, unless somebody created a new one
-            raise PreconditionFailed(f"{path}: changed")
         try:
-            os.link(new, path)
+            fd = _open_leaf(dir_fd, aside, key)
+            try:
+                actual = _read_tagged(fd)[1]
+            finally:
+                os.close(fd)
+        except BaseException:
+            _put_back(dir_fd, aside, name)  # not ours to judge (a planted symlink): restore it
+            raise
+        if actual != expected:
+            _put_back(dir_fd, aside, name)
+            raise PreconditionFailed(f"{key}: changed")
+        try:
+            os.link(new, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:
-            raise PreconditionFailed(f"{path}: created meanwhile") from None
+            raise PreconditionFailed(f"{key}: created meanwhile") from None
     finally:
-        _unlink_quiet(aside)
+        _unlink_quiet_at(dir_fd, aside)
+
+
+def _put_back(dir_fd: int, aside: str, name: str) -> None:
+    try:
+        # Unless somebody created a new one meanwhile. No AT_SYMLINK_FOLLOW: a link links.
+        os.link(aside, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        pass
 
 
 def _copy_chunk(src: int, dst: int, offset: int, length: int) -> int:
@@ -386,59 +674,55 @@ def _finish(fd: int, meta: ObjectMeta) -> None:
     os.fsync(fd)
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
+def _publish(dir_fd: int, tmp: str, name: str, key: str) -> None:
+    """Rename ``tmp`` over ``name`` (both in ``dir_fd``) and make that durable."""
+    try:
+        st: os.stat_result | None = _lstat_at(dir_fd, name)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
         try:
-            os.rmdir(path)  # a file replaces an (empty) directory of the same name
+            os.rmdir(name, dir_fd=dir_fd)  # a file replaces an (empty) directory of the same name
         except OSError as exc:
             if exc.errno == errno.ENOTEMPTY:
                 # The old directory's children are still queued for deletion: retry later.
-                raise StoreUnavailable(f"{path} is still a directory with entries") from None
+                raise StoreUnavailable(f"{key} is still a directory with entries") from None
             raise
-    os.replace(tmp, path)
-    if os.path.lexists(tmp):
-        # tmp and path were hard links to one file (a move redone after a crash): rename(2)
-        # then does nothing, successfully.
-        os.unlink(tmp)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    # rename(2) replaces a symlink at ``name`` itself; it never follows it.
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    # tmp and name were hard links to one file (a move redone after a crash): rename(2) then
+    # does nothing, successfully, and leaves tmp.
+    _unlink_quiet_at(dir_fd, tmp)
+    os.fsync(dir_fd)
+
+
+def _full_copy(src_dir: int, src_name: str, key: str, dst_dir: int, dst_name: str) -> None:
+    fin = _open_leaf(src_dir, src_name, key)
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _full_copy(src: Path, dst: Path) -> None:
-    with open(src, "rb") as fin, open(dst, "xb") as fout:
-        while chunk := fin.read(CHUNK):
-            fout.write(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
-    st = os.stat(src)
-    os.chmod(dst, stat.S_IMODE(st.st_mode))
-    os.utime(dst, ns=(st.st_mtime_ns, st.st_mtime_ns))
-    for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS):
+        fout = os.open(dst_name, _CREATE_OPEN, 0o600, dir_fd=dst_dir)
         try:
-            os.setxattr(dst, name, os.getxattr(src, name))
-        except OSError:
-            pass
+            offset = 0
+            while n := _copy_chunk(fin, fout, offset, CHUNK):
+                offset += n
+            st = os.fstat(fin)
+            os.fchmod(fout, stat.S_IMODE(st.st_mode))
+            os.utime(fout, ns=(st.st_mtime_ns, st.st_mtime_ns))
+            for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS):
+                try:
+                    os.setxattr(fout, name, os.getxattr(fin, name))
+                except OSError:
+                    pass
+            os.fsync(fout)
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
 
 
-def _chown(path: Path, meta: ObjectMeta) -> None:
-    if os.geteuid() == 0:
-        os.chown(path, meta.uid, meta.gid, follow_symlinks=False)
-
-
-def _unlink_quiet(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _info(path: Path, key: str) -> ObjectInfo:
-    st = os.lstat(path)
+def _info(dir_fd: int, name: str, key: str) -> ObjectInfo:
+    st = _lstat_at(dir_fd, name)
     if stat.S_ISLNK(st.st_mode):
-        target = os.readlink(path)
+        target = os.readlink(name, dir_fd=dir_fd)
         meta = ObjectMeta(Kind.SYMLINK, 0o777, st.st_mtime_ns, st.st_uid, st.st_gid, None, target)
         return ObjectInfo(key, len(target), meta, etag=_tag(st))
     if stat.S_ISDIR(st.st_mode):
@@ -446,11 +730,11 @@ def _info(path: Path, key: str) -> ObjectInfo:
                           st.st_gid)
         return ObjectInfo(key + "/", 0, meta, etag=_tag(st))
     try:
-        checksum: str | None = os.getxattr(path, _XATTR_CHECKSUM).decode()
+        checksum: str | None = _getxattr_at(dir_fd, name, _XATTR_CHECKSUM).decode()
     except OSError:
         checksum = None
     try:
-        blocks: str | None = os.getxattr(path, _XATTR_BLOCKS).decode()
+        blocks: str | None = _getxattr_at(dir_fd, name, _XATTR_BLOCKS).decode()
     except OSError:
         blocks = None
     meta = ObjectMeta(Kind.FILE, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid, st.st_gid,

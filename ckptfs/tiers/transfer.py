@@ -6,7 +6,8 @@
   class and keeps the metadata; when both tiers are one prefix (``s3://b/p`` and
   ``s3://b/p?storage_class=GLACIER``) this is an in-place storage-class transition;
 - two memory tiers: the object itself;
-- a file-tier source: the file is the put's source, no temporary copy;
+- a file-tier source: the file is the put's source, no temporary copy (opened beneath the
+  store root without following symlinks, like every file-tier access: local.py);
 - otherwise a streamed copy: the object is read into a temporary file in ``scratch`` (on the
   staging disk) and put from there.
 
@@ -92,7 +93,14 @@ async def copy_object(src: Tier, dst: Tier, key: str, size: int, scratch: Path) 
         await dst.put_entry(key, meta)
         return
     if isinstance(src, FileTier):
-        await dst.put_file(key, src._path(key), info.size, meta)
+        # Opened beneath the store root without following symlinks (a path would follow one
+        # planted in the store). The put reads it through /proc/self/fd/N, which names this
+        # open file, not a path resolved again: still no temporary copy.
+        fd = await src.open_object(key)
+        try:
+            await dst.put_file(key, Path(f"/proc/self/fd/{fd}"), info.size, meta)
+        finally:
+            os.close(fd)
         return
     await _stream(src, dst, key, info.size, meta, scratch)
 
