@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -48,29 +49,49 @@ _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+# The longest duration accepted (100 years): anything longer means "never" to a person, and
+# timedelta, trio's deadlines and sleep(3) overflow somewhere past it.
+MAX_DURATION_S = 100 * 365 * 86400
+
+
 def parse_duration(value: Any) -> timedelta:
-    """'90s', '15m', '24h', '7d', '8w' or a number of seconds."""
+    """'90s', '15m', '24h', '7d', '8w' or a number of seconds: finite, 0 to 100 years."""
     if isinstance(value, timedelta):
-        return value
-    # ValueError, not TypeError: pydantic turns only ValueError into a validation error.
-    if isinstance(value, bool):
+        seconds: float = value.total_seconds()
+    # ValueError, not TypeError: pydantic turns only ValueError into a validation error (an
+    # OverflowError from timedelta would be a traceback).
+    elif isinstance(value, bool):
         raise ValueError("expected a duration such as '30s', '24h', '7d' or '8w'")  # noqa: TRY004
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError("a duration cannot be negative")
-        return timedelta(seconds=value)
-    if isinstance(value, str):
-        match = _DURATION_RE.match(value)
-        if match:
-            return timedelta(seconds=float(match[1]) * _UNIT_SECONDS[match[2]])
-    raise ValueError(f"expected a duration such as '30s', '24h', '7d' or '8w', not {value!r}")
+    elif isinstance(value, (int, float)):
+        seconds = value
+    elif isinstance(value, str) and (match := _DURATION_RE.match(value)):
+        seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+    else:
+        raise ValueError(f"expected a duration such as '30s', '24h', '7d' or '8w', not {value!r}")
+    # Before the comparisons: nan passes both of them. (An int is finite, however large; a
+    # string of too many digits becomes inf, which the last test refuses as too long.)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a duration must be finite, not {value!r}")
+    if seconds < 0:
+        raise ValueError(f"a duration cannot be negative, got {_short(value)}")
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"a duration can be at most 100 years ({MAX_DURATION_S}s), "
+                         f"got {_short(value)}")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf or nan in any float (TOML has both): a ratio, cost or milestone that is not a
+    # number would fail later, far from its key, or never compare as intended.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class KeepRules(_Strict):

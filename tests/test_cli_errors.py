@@ -287,6 +287,50 @@ def test_config_bad_value(tmp_path: Path, mnt: Path, text: str, key: str, also: 
     assert "\n" not in line
 
 
+FAULTS = '\n[tier.faults]\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "also"),
+    [
+        ('retention_interval = "99999999999w"\n', "retention_interval", "100 years"),
+        ("retention_interval = 99999999999999999\n", "retention_interval", "100 years"),
+        ("node_poll_interval = 1e300\n", "node_poll_interval", "100 years"),
+        ("metadata_ttl = inf\n", "metadata_ttl", "finite"),
+        ("metadata_ttl = -inf\n", "metadata_ttl", "finite"),
+        ("metadata_ttl = nan\n", "metadata_ttl", "finite"),
+        ("write_stall_timeout = -5\n", "write_stall_timeout", "negative"),
+        ("staging_min_free_ratio = nan\n", "staging_min_free_ratio", "finite"),
+        (TIERS_OK.replace("last = 3", 'hourly = "99999999999w"'), "tier.0.keep.hourly",
+         "100 years"),
+        (TIERS_OK + "cost_per_tb_month = inf\n", "tier.1.cost_per_tb_month", "finite"),
+        (TIERS_OK + FAULTS + "latency = inf\n", "tier.1.faults.latency", "finite"),
+        (TIERS_OK + FAULTS + "fail_ratio = nan\n", "tier.1.faults.fail_ratio", "finite"),
+    ],
+    ids=["weeks-overflow", "int-overflow", "float-huge", "inf", "minus-inf", "nan", "negative",
+         "ratio-nan", "keep-duration", "cost-inf", "faults-latency", "faults-ratio"],
+)
+def test_config_numbers_finite_and_bounded(tmp_path: Path, mnt: Path, text: str, key: str,
+                                           also: str) -> None:
+    """Durations are 0 .. 100 years and floats are finite: one line naming the key, never
+    an OverflowError traceback (timedelta) or a mount that cannot work."""
+    config = write_config(tmp_path, f'staging_dir = "{tmp_path / "staging"}"\n' + text)
+    done = ckptfs("mount", mnt, "--config", config, "--store", tmp_path / "store", check=False)
+    assert_user_error(done, str(config), key + ":", also)
+
+
+@pytest.mark.parametrize(
+    ("option", "flag", "also"),
+    [("metadata_ttl=99999999999w", "-o metadata_ttl", "100 years"),
+     ("staging_min_free_ratio=nan", "-o staging_min_free_ratio", "finite"),
+     ("retention_interval=inf", "-o retention_interval", "'inf'")],
+)
+def test_option_numbers_finite_and_bounded(tmp_path: Path, mnt: Path, option: str, flag: str,
+                                           also: str) -> None:
+    done = ckptfs(*mount_args(tmp_path, mnt, "-o", option), check=False)
+    assert_user_error(done, flag, also)
+
+
 @pytest.mark.parametrize(
     "url",
     ["ftp://x", "s3://", "file://relative", "s3://bucket/p?storage_class=FROZEN",
@@ -477,4 +521,19 @@ def test_env_config_and_relative_paths(tmp_path: Path, mnt: Path, mounter: Mount
     log = (staging / "daemon.log").read_text()
     assert (work / "relstore").as_uri() in log, log
     ckptfs("umount", mnt)
+    assert_nothing_left(mnt)
+
+
+def test_longest_durations_work(tmp_path: Path, mnt: Path, mounter: Mounter) -> None:
+    """The bound is usable: 100 years (in days and in weeks) mounts and serves files."""
+    staging = tmp_path / "staging"
+    config = write_config(tmp_path, 'retention_interval = "36500d"\nmetadata_ttl = "5214w"\n'
+                          'write_stall_timeout = 3153600000\n'
+                          + _config(staging, tmp_path / "store").replace(
+                              f'staging_dir = "{staging}"\n', ""))
+    _mount_raw(mounter, mnt, "--config", config, "--staging", staging)
+    (mnt / "f").write_bytes(b"data")
+    assert (mnt / "f").read_bytes() == b"data"
+    ckptfs("umount", mnt)
+    assert (tmp_path / "store" / "f").read_bytes() == b"data"
     assert_nothing_left(mnt)
