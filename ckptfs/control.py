@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import trio
 
 from ckptfs.config import Config
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, UserError
 from ckptfs.fs import Filesystem
 from ckptfs.journal import State
 from ckptfs.retention import Retention
@@ -34,14 +34,17 @@ from ckptfs.upload import Uploader
 
 log = logging.getLogger(__name__)
 SOCKET_NAME = "control.sock"
+# The runtime directory that holds the sockets of mounts whose staging path is too long.
+RUN_DIR_MODE = 0o700
 _SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path, NUL excluded)
 
 
 def socket_path(staging_root: Path) -> Path:
     """Where the control socket of a mount with this staging directory lives.
 
-    In the staging directory (0700, so owner-only) unless that path is too long for a unix
-    socket; then in a 0700 runtime directory, named by a hash of the staging directory."""
+    In the staging directory unless that path is too long for a unix socket; then in a 0700
+    runtime directory (``/run/ckptfs-<uid>`` as root), named by a hash of the staging
+    directory."""
     path = staging_root / SOCKET_NAME
     if len(os.fsencode(path)) <= _SUN_PATH_MAX:
         return path
@@ -52,10 +55,40 @@ def socket_path(staging_root: Path) -> Path:
     base = Path("/run") if os.geteuid() == 0 else Path(
         os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
     run_dir = base / f"ckptfs-{os.geteuid()}"
-    run_dir.mkdir(mode=0o700, exist_ok=True)
-    if run_dir.stat().st_uid != os.geteuid() or run_dir.stat().st_mode & 0o077:
-        raise PermissionError(f"{run_dir} is not private to this user")
+    _private_dir(run_dir)
     return run_dir / f"{digest}.sock"
+
+
+def _private_dir(path: Path) -> None:
+    """Make ``path`` a directory of ours with mode ``RUN_DIR_MODE``, or refuse it (UserError).
+
+    It may be left from an earlier mount, or made by something else with a wider mode (a
+    umask, a tmpfiles rule): a directory we own is ours to tighten. One owned by another user
+    or a symlink (which could lead anywhere) is refused: whoever made it could see or replace
+    the socket. lstat, so that the check is of the entry itself."""
+    try:
+        path.mkdir(mode=RUN_DIR_MODE)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UserError(f"{path} is a symlink: refusing to put the control socket there")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{path} is not a directory: cannot put the control socket there")
+    if st.st_uid != os.geteuid():
+        raise UserError(f"{path} is owned by uid {st.st_uid}, not by this user "
+                        f"({os.geteuid()}): refusing to put the control socket there")
+    if stat.S_IMODE(st.st_mode) != RUN_DIR_MODE:
+        # Through an fd opened without following a symlink, and checked to be the directory
+        # just lstat'ed: a swap in between cannot redirect the chmod.
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino, now.st_uid) != (st.st_dev, st.st_ino, st.st_uid):
+                raise UserError(f"{path} changed while it was checked: refusing it")
+            os.fchmod(fd, RUN_DIR_MODE)
+        finally:
+            os.close(fd)
 PROGRESS_INTERVAL = 0.25
 RATE_WINDOW = 60.0  # seconds over which upload and fetch rates are averaged
 
