@@ -285,7 +285,6 @@ def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: 
     from rich.progress import (
         BarColumn,
         DownloadColumn,
-        Progress,
         TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
@@ -293,7 +292,7 @@ def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: 
 
     columns = (TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
-    with Progress(*columns, transient=True, console=_err_console()) as bar:
+    with _progress(*columns) as bar:
         task = bar.add_task(what, total=None, note="")
 
         def show(reply: dict[str, Any]) -> None:
@@ -335,12 +334,12 @@ def restore(
 ) -> None:
     """Restore files held only in an archive storage class (GLACIER, DEEP_ARCHIVE): request the
     restore, wait with progress, then keep them in the warm tier."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn
 
     entry, rel = client.locate(path)
     columns = (TextColumn("[bold]restoring"), BarColumn(), DownloadColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[note]}"))
-    with Progress(*columns, transient=True, console=_err_console()) as bar:
+    with _progress(*columns) as bar:
         task = bar.add_task("restore", total=None, note="")
 
         def show(reply: dict[str, Any]) -> None:
@@ -366,6 +365,15 @@ def _err_console() -> Any:
     from rich.console import Console
 
     return Console(stderr=True)
+
+
+def _progress(*columns: Any) -> Any:
+    """A transient progress bar on stderr, only on a terminal: elsewhere it would print a
+    blank line when it stops, and an error after it would no longer be one line."""
+    from rich.progress import Progress
+
+    console = _err_console()
+    return Progress(*columns, transient=True, console=console, disable=not console.is_terminal)
 
 
 @app.command()

@@ -11,7 +11,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +22,29 @@ from ckptfs.mountinfo import FSTYPE, MountEntry, mounts, normalize
 
 def daemon_info(mountpoint: Path, timeout: float = 5.0) -> dict[str, Any] | None:
     """What the daemon serving ``mountpoint`` says of itself; None if it does not answer."""
+    return _daemon_info(mountpoint, timeout)[0]
+
+
+def _daemon_info(mountpoint: Path, timeout: float = 5.0
+                 ) -> tuple[dict[str, Any] | None, OSError | None]:
+    """``daemon_info``, and the error that kept it from answering (if an OSError)."""
     result: list[dict[str, Any]] = []
+    errors: list[OSError] = []
 
     def ask() -> None:
         try:
             raw = os.getxattr(normalize(mountpoint), "user.ckptfs.daemon")
             result.append(json.loads(raw))
-        except (OSError, ValueError):
+        except OSError as exc:
+            errors.append(exc)
+        except ValueError:
             pass
 
     # A hung daemon would block getxattr forever: ask from a thread we can abandon.
     worker = threading.Thread(target=ask, daemon=True)
     worker.start()
     worker.join(timeout)
-    return result[0] if result else None
+    return (result[0] if result else None), (errors[0] if errors else None)
 
 
 def ckptfs_mounts() -> list[MountEntry]:
@@ -58,14 +67,31 @@ def locate(path: Path) -> tuple[MountEntry, str]:
 
 
 def control_socket(mountpoint: str | Path) -> Path:
-    info = daemon_info(Path(mountpoint))
+    info, error = _daemon_info(Path(mountpoint))
+    if isinstance(error, PermissionError):
+        # FUSE shuts out every user but the one that mounted unless it has allow_other.
+        raise UserError(f"permission denied asking the ckptfs daemon of {mountpoint}: only "
+                        "root and the user that mounted it can reach a mount made without "
+                        "allow_other")
     if not info or "control" not in info:
         raise UserError(f"the ckptfs daemon of {mountpoint} does not answer")
     return Path(str(info["control"]))
 
 
+def _replies(mountpoint: str | Path, payload: dict[str, Any], timeout: float | None = 30.0
+             ) -> Iterator[dict[str, Any]]:
+    """``control.request`` to the daemon of ``mountpoint``; a daemon that is gone (or a
+    connection it drops) is a UserError. A TimeoutError is left to the caller."""
+    sock = control_socket(mountpoint)
+    try:
+        yield from control.request(sock, payload, timeout=timeout)
+    except (ConnectionError, FileNotFoundError) as exc:
+        raise UserError(f"the ckptfs daemon of {mountpoint} does not answer on {sock}: "
+                        f"{exc.strerror or exc}") from None
+
+
 def status(mountpoint: str | Path) -> dict[str, Any]:
-    for reply in control.request(control_socket(mountpoint), {"op": "status"}):
+    for reply in _replies(mountpoint, {"op": "status"}):
         if "error" in reply:
             raise UserError(str(reply["error"]))
         return reply
@@ -81,8 +107,8 @@ def _follow(
     deadline = None if timeout is None else time.monotonic() + timeout
     last: dict[str, Any] = {}
     try:
-        for reply in control.request(control_socket(mountpoint), payload,
-                                     timeout=None if timeout is None else timeout + 5):
+        for reply in _replies(mountpoint, payload,
+                              timeout=None if timeout is None else timeout + 5):
             if "error" in reply:
                 raise UserError(str(reply["error"]))
             if reply.get("done"):
@@ -110,7 +136,7 @@ def sync(
 
 def evict(mountpoint: str | Path, rel: str) -> dict[str, Any]:
     """Drop local copies of committed files under ``rel``; what the daemon did."""
-    for reply in control.request(control_socket(mountpoint), {"op": "evict", "path": rel}):
+    for reply in _replies(mountpoint, {"op": "evict", "path": rel}):
         if "error" in reply:
             raise UserError(str(reply["error"]))
         return reply

@@ -1,21 +1,35 @@
-"""The control socket of a live mount: ``<staging>/control.sock`` (owner-only), JSON lines.
+"""The control socket of a live mount: ``<staging>/control.sock``, JSON lines.
 
 Requests are one JSON object per connection, e.g. ``{"op": "status"}`` or
 ``{"op": "sync", "path": "step_100"}``. Replies are JSON lines: ``sync`` streams progress
 objects and ends with ``{"done": true}``; every other request answers with one object.
 Errors are ``{"error": "..."}``.
 
+Who may ask what: the socket is 0666 (and the staging directory holding it 0711, so that it can
+be reached but not listed), and the server decides per connection from the peer's credentials
+(``SO_PEERCRED``: pid, uid, gid, taken by the kernel at connect, so they cannot be forged):
+- root and the mount's owner (the uid the daemon runs as, the one that mounted) may run every
+  request;
+- members of the group of the mount's root directory (their gid, or a supplementary group from
+  ``/proc/<pid>/status``) may run the read-only ones (``status``, ``ls-tiers``, ``retention``
+  without ``apply``) and ``sync``, which only waits;
+- anyone else is refused with an error naming why.
+
 Invariants: the server only reads state and waits; it never changes the filesystem except
-through the same core calls the FUSE handlers use. Secrets never appear in a reply.
+through the same core calls the FUSE handlers use. Secrets never appear in a reply. No request,
+however malformed, and no peer, however slow, can stop the server: errors are answered, and a
+request line must arrive within ``REQUEST_TIMEOUT``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import stat
+import struct
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -28,23 +42,29 @@ import trio
 from ckptfs.config import Config
 from ckptfs.errors import CkptfsError, UserError
 from ckptfs.fs import Filesystem
-from ckptfs.journal import State
+from ckptfs.journal import ROOT_INODE, State
 from ckptfs.retention import Retention
 from ckptfs.upload import Uploader
 
 log = logging.getLogger(__name__)
 SOCKET_NAME = "control.sock"
-# The runtime directory that holds the sockets of mounts whose staging path is too long.
-RUN_DIR_MODE = 0o700
+# The runtime directory that holds the sockets of mounts whose staging path is too long:
+# traversable by everyone (the server checks who connects), listable and writable by us only.
+RUN_DIR_MODE = 0o711
+SOCKET_MODE = 0o666
+# Requests a member of the mount root's group may make: they only read state, or wait.
+READ_ONLY_OPS = frozenset({"status", "ls-tiers", "sync"})
+REQUEST_TIMEOUT = 10.0  # seconds to send the request line
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path, NUL excluded)
 
 
 def socket_path(staging_root: Path) -> Path:
     """Where the control socket of a mount with this staging directory lives.
 
-    In the staging directory unless that path is too long for a unix socket; then in a 0700
-    runtime directory (``/run/ckptfs-<uid>`` as root), named by a hash of the staging
-    directory."""
+    In the staging directory unless that path is too long for a unix socket; then in a
+    runtime directory (``/run/ckptfs-<uid>`` as root, mode ``RUN_DIR_MODE``), named by a hash
+    of the staging directory."""
     path = staging_root / SOCKET_NAME
     if len(os.fsencode(path)) <= _SUN_PATH_MAX:
         return path
@@ -52,8 +72,11 @@ def socket_path(staging_root: Path) -> Path:
     import tempfile
 
     digest = hashlib.sha256(os.fsencode(staging_root.resolve())).hexdigest()[:24]
-    base = Path("/run") if os.geteuid() == 0 else Path(
-        os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    # $CKPTFS_RUNTIME_DIR: where /run is not ours to use (containers; tests, which must not
+    # change the machine's /run/ckptfs-0 under the mounts of other runs).
+    base = Path(os.environ.get("CKPTFS_RUNTIME_DIR") or (
+        "/run" if os.geteuid() == 0 else
+        os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()))
     run_dir = base / f"ckptfs-{os.geteuid()}"
     _private_dir(run_dir)
     return run_dir / f"{digest}.sock"
@@ -118,7 +141,9 @@ class ControlServer:
             await sock.bind(str(self.path))
         finally:
             os.umask(old_umask)
-        os.chmod(self.path, stat.S_IRUSR | stat.S_IWUSR)
+        # Connecting needs write permission on the socket: everyone gets it, and _handle
+        # decides from the peer's credentials who may ask what.
+        os.chmod(self.path, SOCKET_MODE)
         sock.listen(16)
         listener = trio.SocketListener(sock)
         try:
@@ -132,10 +157,42 @@ class ControlServer:
             except FileNotFoundError:
                 pass
 
+    def _refusal(self, peer: tuple[int, int, int], request: dict[str, Any]) -> str | None:
+        """Why the peer ``(pid, uid, gid)`` may not make ``request``; None if it may."""
+        pid, uid, gid = peer
+        owner = os.geteuid()
+        op = request.get("op")
+        if uid in (0, owner):
+            return None
+        group = self.fs.getattr(ROOT_INODE).gid
+        member = gid == group or group in _supplementary_groups(pid, uid)
+        read_only = op in READ_ONLY_OPS or (op == "retention" and not request.get("apply"))
+        if member and read_only:
+            return None
+        what = f"'{op}'" if isinstance(op, str) else "this request"
+        if member:
+            return (f"permission denied: uid {uid} may not run {what} on "
+                    f"{self.mountpoint}: members of its group (gid {group}) may only run "
+                    f"status, ls-tiers, retention --plan and sync; root and its owner "
+                    f"(uid {owner}) may run everything")
+        return (f"permission denied: uid {uid} may not run {what} on {self.mountpoint}: "
+                f"only root, its owner (uid {owner}) and members of its group (gid {group}) "
+                f"may use its control socket")
+
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
             try:
-                request = json.loads(await _read_line(stream))
+                line = ""
+                with trio.move_on_after(REQUEST_TIMEOUT):
+                    line = await _read_line(stream)
+                request = json.loads(line)
+                if not isinstance(request, dict):
+                    raise ValueError("a request is a JSON object")  # noqa: TRY004
+                refusal = self._refusal(_peer_credentials(stream), request)
+                if refusal is not None:
+                    log.warning("control socket: %s", refusal)
+                    await _send(stream, {"error": refusal})
+                    return
                 op = request.get("op")
                 if op == "status":
                     await _send(stream, self.status())
@@ -154,8 +211,13 @@ class ControlServer:
                     await _send(stream, {"error": f"unknown request {op!r}"})
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-            except ValueError as exc:
-                await _send(stream, {"error": f"bad request: {exc}"})
+            except (ValueError, TypeError) as exc:  # int([]) is a TypeError
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await _send(stream, {"error": f"bad request: {exc}"})
+            except Exception as exc:  # noqa: BLE001 (any peer can connect: never the daemon)
+                log.exception("control socket: request failed")
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await _send(stream, {"error": f"request failed: {exc}"})
 
     async def _retention(self, apply: bool) -> dict[str, Any]:
         """``ls-tiers`` and ``retention --plan`` (the report) or ``--apply`` (run, then it)."""
@@ -337,6 +399,29 @@ class ControlServer:
                 await self.uploader.wait_until_done(upto)
 
 
+def _peer_credentials(stream: trio.SocketStream) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process that connected (the kernel's, as of connect)."""
+    raw = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def _supplementary_groups(pid: int, uid: int) -> frozenset[int]:
+    """The supplementary groups of process ``pid`` (``Groups:`` in /proc/<pid>/status); none
+    if it is gone or its effective uid is no longer ``uid`` (the pid was reused by another
+    process: its groups say nothing of the peer). The peer is waiting for the reply, so it is
+    normally alive."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        uids = fields["Uid"].split()
+        if len(uids) < 2 or int(uids[1]) != uid:
+            return frozenset()
+        return frozenset(int(g) for g in fields.get("Groups", "").split())
+    except (OSError, ValueError, KeyError):
+        return frozenset()
+
+
 def _without_userinfo(url: str) -> str:
     """``https://user:pass@host/`` -> ``https://host/``: credentials never leave the daemon."""
     parts = urlsplit(url)
@@ -369,7 +454,14 @@ def request(socket_path: Path, payload: dict[str, Any], timeout: float | None = 
     """Send one request and yield each reply line as it arrives."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(str(socket_path))
+        try:
+            sock.connect(str(socket_path))
+        except PermissionError:
+            # The socket or a directory on its way is closed to this user (an older daemon
+            # made them owner-only; or a parent directory is private).
+            raise UserError(f"permission denied connecting to the ckptfs control socket "
+                            f"{socket_path}: only root and the mount's owner (or, with "
+                            f"access to it, its group) may use it") from None
         sock.sendall(json.dumps(payload).encode() + b"\n")
         buffer = b""
         while True:

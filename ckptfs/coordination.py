@@ -88,7 +88,12 @@ def node_id(staging_root: Path, configured: str | None = None) -> str:
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
     made = f"{host or 'node'}-{secrets.token_hex(4)}"
     tmp = path.with_name(NODE_ID_FILE + ".tmp")
-    tmp.write_text(made + "\n")
+    # 0600 like every file of the staging directory (which others may traverse: staging.py).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (made + "\n").encode())
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     return made
 

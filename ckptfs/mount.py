@@ -221,7 +221,7 @@ def set_read_ahead(mountpoint: Path, kb: int) -> None:
 
 def _owner_only(root: Path, journal_name: str) -> None:
     """The journal (and SQLite's -wal/-shm files) readable by the daemon's user only: it
-    names every file of the mount. The staging directory itself is 0700 (staging.py)."""
+    names every file of the mount. The staging directory itself is 0711 (staging.py)."""
     for suffix in ("", "-wal", "-shm"):
         try:
             os.chmod(root / (journal_name + suffix), 0o600)

@@ -1,6 +1,8 @@
 """Files on local NVMe: one sparse data file per regular-file inode, under ``<staging>/data``.
 
-Layout of a staging directory (mode 0700)::
+Layout of a staging directory (mode 0711: others may reach the control socket in it, whose
+server checks who connects (control.py), but cannot list it; every file in it is 0600 and
+``data`` is 0700)::
 
     <staging>/journal.db   the journal (journal.py)
     <staging>/data/<ino>   the bytes of inode <ino>, sparse where nothing was written
@@ -26,6 +28,8 @@ from pathlib import Path
 
 from ckptfs.errors import UserError
 
+# Traversable (the control socket is in it), not listable or writable, by others.
+STAGING_MODE = 0o711
 # Below this much free space a mount is refused: the journal alone needs room to start.
 MIN_FREE_BYTES_TO_MOUNT = 16 * 1024 * 1024
 
@@ -59,7 +63,7 @@ class Staging:
         if os.path.lexists(self.root) and not self.root.is_dir():
             raise UserError(f"staging directory {self.root} is not a directory")
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.root.mkdir(mode=STAGING_MODE, parents=True, exist_ok=True)
         except OSError as exc:
             raise self._unusable(exc, "cannot be created") from None
         self._lock()
@@ -79,8 +83,8 @@ class Staging:
     def _check_usable(self) -> None:
         try:
             self.data_dir.mkdir(mode=0o700, exist_ok=True)
-            if os.stat(self.root).st_mode & 0o777 != 0o700:
-                os.chmod(self.root, 0o700)
+            if os.stat(self.root).st_mode & 0o777 != STAGING_MODE:
+                os.chmod(self.root, STAGING_MODE)
         except OSError as exc:
             raise self._unusable(exc, "cannot be set up") from None
         if not self.data_dir.is_dir():

@@ -37,8 +37,13 @@ def test_write_remount_read(mounter: Mounter) -> None:
     assert m.state("step_1/model.pt") == "committed"
 
 
-def test_long_staging_path(mounter: Mounter, tmp_path: Path) -> None:
+def test_long_staging_path(mounter: Mounter, tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A staging path too long for a unix socket still gets a control socket (elsewhere)."""
+    # Not the machine's /run/ckptfs-0, which other runs' mounts may be using (whose mode this
+    # version sets: control.RUN_DIR_MODE); the daemon inherits the environment.
+    monkeypatch.setenv("CKPTFS_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
     staging = tmp_path / ("s" * 60) / ("t" * 60)
     m = mounter("long", staging=staging)
     (m.path / "f").write_bytes(b"data")
@@ -46,6 +51,9 @@ def test_long_staging_path(mounter: Mounter, tmp_path: Path) -> None:
     assert status["staging_dir"] == str(staging)
     ckptfs("sync", m.path)
     assert (m.store / "f").read_bytes() == b"data"
+    run_dir = tmp_path / "run" / f"ckptfs-{os.geteuid()}"
+    assert [p.suffix for p in run_dir.iterdir()] == [".sock"]
+    assert stat.S_IMODE(os.lstat(run_dir).st_mode) == control.RUN_DIR_MODE
 
 
 UNSHARE = shutil.which("unshare")

@@ -142,16 +142,20 @@ def test_log_lines_are_redacted_and_one_line() -> None:
     assert "\n" not in line and "ValueError" in line
 
 
-def test_staging_directory_0700_and_journal_0600(tmp_path: Path, mounter: Mounter) -> None:
+def test_staging_directory_0711_and_journal_0600(tmp_path: Path, mounter: Mounter) -> None:
+    """Others may traverse the staging directory (to reach the control socket, whose server
+    checks who connects: test_ops_control_access.py), never list it or read its files."""
     staging = tmp_path / "staging"
     staging.mkdir(mode=0o755)
     os.chmod(staging, 0o755)  # an operator made it too open
     m = mounter(staging=staging)
     (m.path / "f").write_bytes(b"x")
     ckptfs("sync", m.path)
-    assert stat.S_IMODE(staging.stat().st_mode) == 0o700
+    assert stat.S_IMODE(staging.stat().st_mode) == 0o711
     assert stat.S_IMODE((staging / "data").stat().st_mode) == 0o700
     journal_files = list(staging.glob("journal.db*"))
     assert journal_files
-    for path in journal_files + [staging / "control.sock", staging / "daemon.log"]:
+    for path in journal_files + [staging / "daemon.log", staging / "lock",
+                                 staging / "node-id"]:
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+    assert stat.S_IMODE((staging / "control.sock").stat().st_mode) == 0o666
