@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as _click_exc  # type: ignore[no-redef,unused-ignore]
 
 from ckptfs import client
-from ckptfs.config import Config, config_path, load_config, store_url
+from ckptfs.config import MAX_DURATION_S, Config, config_path, load_config, store_url
 from ckptfs.errors import UserError
 from ckptfs.mountinfo import FSTYPE, check_mountpoint, find
 
@@ -80,6 +81,15 @@ def _setup_logging(level: str, secrets: list[str] | None = None) -> None:
 
 def _abs(path: Path | None) -> Path | None:
     return None if path is None else Path(os.path.abspath(path.expanduser()))
+
+
+def _seconds(value: float | None) -> float | None:
+    """A number of seconds given as a flag: finite, 0 to 100 years like every duration
+    (config.py). inf or nan would end in an OverflowError (socket timeouts, deadlines)."""
+    if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_DURATION_S):
+        raise typer.BadParameter(f"must be a number of seconds from 0 to {MAX_DURATION_S}, "
+                                 f"not {value}")
+    return value
 
 
 @app.command()
@@ -237,7 +247,7 @@ def umount(
     )] = True,
     timeout: Annotated[float | None, typer.Option(
         help="Give up waiting for uploads after this many seconds.", show_default=False,
-    )] = None,
+        callback=_seconds)] = None,
     lazy: Annotated[bool, typer.Option("--lazy", "-z", help="Detach even if busy.")] = False,
 ) -> None:
     """Wait for pending uploads, unmount, and wait for the daemon to exit."""
@@ -272,7 +282,8 @@ def umount(
 def sync(
     path: Annotated[Path, typer.Argument(help="A ckptfs mount, or a path in one.")] = Path("."),
     timeout: Annotated[float | None, typer.Option(
-        help="Give up after this many seconds (exit code 1).", show_default=False)] = None,
+        help="Give up after this many seconds (exit code 1).", show_default=False,
+        callback=_seconds)] = None,
 ) -> None:
     """Wait until everything closed so far (under PATH) is committed to the warm tier."""
     entry, rel = client.locate(path)
@@ -327,10 +338,10 @@ def restore(
     local: Annotated[bool, typer.Option(
         "--local", help="Also fetch the restored files to the local NVMe.")] = False,
     poll_interval: Annotated[float, typer.Option(
-        min=0.01, help="Seconds between checks of the store.")] = 30.0,
+        min=0.01, help="Seconds between checks of the store.", callback=_seconds)] = 30.0,
     timeout: Annotated[float | None, typer.Option(
         help="Give up waiting after this many seconds (exit code 1); the restore goes on.",
-        show_default=False)] = None,
+        show_default=False, callback=_seconds)] = None,
 ) -> None:
     """Restore files held only in an archive storage class (GLACIER, DEEP_ARCHIVE): request the
     restore, wait with progress, then keep them in the warm tier."""

@@ -537,3 +537,19 @@ def test_longest_durations_work(tmp_path: Path, mnt: Path, mounter: Mounter) -> 
     ckptfs("umount", mnt)
     assert (tmp_path / "store" / "f").read_bytes() == b"data"
     assert_nothing_left(mnt)
+
+
+def test_seconds_flags_finite_and_bounded(tmp_path: Path, mounter: Mounter) -> None:
+    """--timeout / --poll-interval inf, nan or negative: one line, not an OverflowError from a
+    socket timeout (the mount is live, so the value would be used)."""
+    m = mounter()
+    (m.path / "f").write_bytes(b"x")
+    for argv in (["sync", m.path, "--timeout", "inf"], ["sync", m.path, "--timeout", "nan"],
+                 ["sync", m.path, "--timeout", "-1"],
+                 ["umount", m.path, "--timeout", "1e999"],
+                 ["restore", m.path / "f", "--poll-interval", "inf"],
+                 ["restore", m.path / "f", "--timeout", "inf"]):
+        option = next(a for a in argv if str(a).startswith("--"))
+        assert_user_error(ckptfs(*argv, check=False), f"'{option}'", "number of seconds")
+    assert is_mounted(m.path)
+    ckptfs("sync", m.path, "--timeout", "3153600000")  # the longest still works
