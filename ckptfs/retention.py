@@ -57,7 +57,7 @@ from ckptfs.checkpoints import (
 from ckptfs.config import Config, KeepRules, TierConfig
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
-from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta, Tier
+from ckptfs.tiers.base import CONTROL_PREFIX, Kind, ObjectInfo, ObjectMeta, Tier
 from ckptfs.tiers.transfer import copy_object, verify
 
 if TYPE_CHECKING:
@@ -457,7 +457,8 @@ class Retention:
         for members in locations.values():
             infos = await self.tiers[members[0].name].list()
             for info in infos:
-                if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY:
+                if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY \
+                        or info.key.startswith(CONTROL_PREFIX):  # the nodes' shared state
                     continue
                 owner = next((m for m in members if m.storage_class == info.storage_class),
                              members[0])

@@ -68,7 +68,8 @@ def snapshot(m: Mount, store: Path) -> tuple[dict[str, str], dict[str, int]]:
     for d in sorted(m.path.iterdir()):
         for f in sorted(d.iterdir()) if d.is_dir() else [d]:
             states[str(f.relative_to(m.path))] = m.state(str(f.relative_to(m.path)))
-    files = {str(p.relative_to(store)): p.stat().st_size for p in store.rglob("*") if p.is_file()}
+    files = {str(p.relative_to(store)): p.stat().st_size for p in store.rglob("*")
+             if p.is_file() and not str(p.relative_to(store)).startswith(".ckptfs/")}
     return states, files
 
 
