@@ -261,7 +261,10 @@ class Uploader:
             self.journal.update(row)
         for _, key in self.journal.tombstones():
             self._interrupted_keys.add(key)  # an unlinked file's upload may have been cut short
-        for row in self.journal.unreconciled():
+        rows = self.journal.unreconciled()
+        # Markers last (larger numbers), whatever the journal's order: a marker renamed or
+        # closed before the crash must still reach the store after the files it stands for.
+        for row in self._markers_last(rows):
             self._queue(("ino", row.ino))
             # Any of these may have been written (or copied to) when the crash came: leftovers
             # of an interrupted put or copy at its key are ours to clean up.
@@ -312,6 +315,12 @@ class Uploader:
             work.target = target
             return work, wake_at
         return None, wake_at
+
+    def _markers_last(self, rows: list[Row]) -> list[Row]:
+        """``rows`` in their order, but every commit marker after every other entry."""
+        def marker(row: Row) -> bool:  # by name, as _pick judges (a `latest` symlink too)
+            return is_marker(os.fsdecode(row.name or b""), self.markers)
+        return [r for r in rows if not marker(r)] + [r for r in rows if marker(r)]
 
     def _names_marker(self, key: WorkKey) -> bool:
         if key[0] != "ino":

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs.journal import Row, State
-from ckptfs.tiers.memory import store_named
+from ckptfs.config import DEFAULT_COMMIT_MARKERS
+from ckptfs.journal import ROOT_INODE, Row, State
+from ckptfs.tiers.memory import MemoryTier, store_named
+from ckptfs.upload import is_marker
 from tests.test_read_path import node
 
 DATA = os.urandom(700_000)  # several fetch blocks (256 KiB)
@@ -33,6 +35,30 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def _kill(*_: object) -> None:
     raise Killed
+
+
+def _marker(key: str) -> bool:
+    return is_marker(key.rstrip("/").rsplit("/", 1)[-1], DEFAULT_COMMIT_MARKERS)
+
+
+def watch_markers(monkeypatch: pytest.MonkeyPatch, copy_bandwidth: float | None = None
+                  ) -> dict[str, set[str]]:
+    """Every server-side copy to a marker's key -> the keys the store held the moment it
+    landed. ``copy_bandwidth`` (bytes/s) makes copies take time by size: a slow tier, where
+    a small marker moved alongside big shards would land first."""
+    seen: dict[str, set[str]] = {}
+    real_copy = MemoryTier.copy
+
+    async def copy(self: MemoryTier, src: str, dst: str) -> None:
+        source = self.objects.get(src)
+        if copy_bandwidth and source is not None:
+            await trio.sleep(len(source.body) / copy_bandwidth)
+        await real_copy(self, src, dst)
+        if _marker(dst):
+            seen[dst] = set(self.objects)
+
+    monkeypatch.setattr(MemoryTier, "copy", copy)
+    return seen
 
 
 async def _committed(root: Path, store: str, path: str) -> int:
@@ -108,3 +134,58 @@ async def test_committed_row_without_its_data_is_read_from_the_store(
     else:
         os.truncate(data_file, left)
     await _read_after_restart(root, store, "step_1/model.pt", ino)
+
+
+# -- (b) a restart finishes the server-side moves of evicted (REMOTE) files ------------------
+
+
+async def _evicted_tree(root: Path, store: str, files: dict[str, bytes]) -> None:
+    """Write ``files`` under ``step_1/``, commit them and evict them all (state REMOTE)."""
+    async with node(root, store) as a:
+        for path, data in files.items():
+            await a.write(path, data)
+        await a.sync()
+        step = await a.resolve("step_1")
+        assert a.fs.evict_tree(step.ino)[0] == len(files)
+        for path in files:
+            assert a.fs.getattr((await a.resolve(path)).ino).state is State.REMOTE
+
+
+@pytest.mark.parametrize("renamed", ["directory", "file"])
+async def test_restart_finishes_the_move_of_an_evicted_renamed_file(
+    tmp_path: Path, store: str, renamed: str, monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock
+) -> None:
+    """Rename an evicted file (or its directory), kill before the store copy + delete: the
+    restart moves the object to its new key and removes the old one; a marker moved by the
+    restart lands after the shards (it was closed first here, so the journal's order would
+    have put it first)."""
+    root = tmp_path / "a"
+    files = {"step_1/.metadata": b"index", "step_1/model/shard_0": DATA,
+             "step_1/model/shard_1": DATA[::-1]}
+    await _evicted_tree(root, store, files)
+    async with node(root, store) as a:
+        if renamed == "directory":
+            await a.fs.rename(ROOT_INODE, b"step_1", ROOT_INODE, b"step_2")
+            moves = {p: p.replace("step_1/", "step_2/") for p in files}
+        else:
+            model = (await a.resolve("step_1/model")).ino
+            await a.fs.rename(model, b"shard_0", model, b"shard_9")
+            moves = {"step_1/model/shard_0": "step_1/model/shard_9"}
+        a.tier.hang = True  # the store never sees the moves: the daemon dies first
+        await trio.sleep(5)
+    objects = store_named(store)
+    assert all(old in objects and new not in objects for old, new in moves.items())
+    landed = watch_markers(monkeypatch, copy_bandwidth=1_000_000)
+    async with node(root, store) as a:
+        with trio.fail_after(3600):
+            await a.sync()
+        for old, new in moves.items():
+            assert old not in objects, f"{old}: the old key stayed behind"
+            assert objects[new].body == files[old], f"{new}: not moved"
+            assert a.fs.getattr((await a.resolve(new)).ino).state is State.REMOTE
+            assert await a.read(new) == files[old]
+    for marker, present in landed.items():
+        shards = {new for new in moves.values() if not _marker(new)}
+        assert shards <= present, f"{marker} landed before {sorted(shards - present)}"
+    assert set(landed) == {new for new in moves.values() if _marker(new)}
