@@ -189,3 +189,34 @@ async def test_restart_finishes_the_move_of_an_evicted_renamed_file(
         shards = {new for new in moves.values() if not _marker(new)}
         assert shards <= present, f"{marker} landed before {sorted(shards - present)}"
     assert set(landed) == {new for new in moves.values() if _marker(new)}
+
+
+# -- (c) a directory rename moves its markers after every other file of the tree ------------
+
+
+@pytest.mark.parametrize("marker", [".metadata", "COMMITTED"])
+async def test_renamed_tree_moves_its_markers_after_the_deeper_shards(
+    tmp_path: Path, store: str, marker: str, monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock
+) -> None:
+    """Orbax-style ``step_1/{<marker>, model/shard_0, model/shard_1}`` renamed to ``step_2``
+    over a slow tier (server-side copies take time by size): the moment the marker's new key
+    appears in the store, every shard's new key is already there."""
+    files = {f"step_1/{marker}": b"index", "step_1/model/shard_0": DATA,
+             "step_1/model/shard_1": DATA[::-1], "step_1/model/deeper/shard_2": DATA[:300_000]}
+    landed = watch_markers(monkeypatch, copy_bandwidth=1_000_000)
+    async with node(tmp_path / "a", store) as a:
+        for path, data in files.items():
+            await a.write(path, data)
+        await a.sync()
+        await a.fs.rename(ROOT_INODE, b"step_1", ROOT_INODE, b"step_2")
+        with trio.fail_after(3600):
+            await a.sync()
+    objects = store_named(store)
+    moved = {p.replace("step_1/", "step_2/", 1): data for p, data in files.items()}
+    assert {k: o.body for k, o in objects.items() if k in moved} == moved
+    assert not [k for k in objects if k.startswith("step_1")]
+    shards = {k for k in moved if not _marker(k)}
+    assert set(landed) == {f"step_2/{marker}"}
+    assert shards <= landed[f"step_2/{marker}"], \
+        f"the marker landed before {sorted(shards - landed[f'step_2/{marker}'])}"
