@@ -784,15 +784,14 @@ class Filesystem:
                 continue
             victims.append(cached)
             freed += cached.size
-        self._evict_rows(victims)  # one durable journal commit for the lot
+        self.evict(*victims)  # one durable journal commit for the lot
         return freed
 
-    def evict(self, row: Row) -> None:
-        """Drop the local copy of a committed file; it stays readable from the warm tier."""
-        self._evict_rows([row])
+    def evict(self, *rows: Row) -> None:
+        """Drop the local copies of committed files; they stay readable from the warm tier.
 
-    def _evict_rows(self, rows: list[Row]) -> None:
-        """Evict committed files: journal them REMOTE, durably, and only then unlink their data.
+        Journal first: they are recorded REMOTE, durably, and only then is their data unlinked
+        (one journal sync for all of ``rows``: pass a checkpoint's files in one call).
 
         Invariant: a COMMITTED row always has its whole data file. The other order would let a
         crash between the two leave a COMMITTED row with no data, which reads as zeros instead
@@ -839,7 +838,7 @@ class Filesystem:
                     evicted, freed = evicted + 1, freed + dropped
             else:
                 kept.append(f"{path}: {state_label(row)}, not committed to the store yet")
-        self._evict_rows(victims)  # one durable journal commit for the lot
+        self.evict(*victims)  # one durable journal commit for the lot
         return evicted, freed, kept
 
     async def ensure_local(self, row: Row) -> None:
