@@ -604,6 +604,7 @@ class Retention:
 
     def _evict(self, c: Checkpoint, state: Snapshot) -> None:
         assert self.fs is not None
+        rows = []
         for key, _ in c.files:
             local = state.local.get(key)
             if local is None:
@@ -611,7 +612,8 @@ class Retention:
             row = self._row(local.ino)
             if row.state is State.COMMITTED and row.remote_key is not None \
                     and self.fs.ns.open_count(row.ino) == 0:
-                self.fs.evict(row)
+                rows.append(row)
+        self.fs.evict(*rows)  # one journal sync for the checkpoint, not one per file
 
     async def _delete(self, c: Checkpoint) -> None:
         # The journal first: a crash after this leaves store copies that the next run sees as
