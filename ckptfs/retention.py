@@ -3,9 +3,11 @@
 Two parts:
 - ``plan(checkpoints, policy, now) -> [Action]`` is pure: it sees checkpoints (checkpoints.py)
   and the tiers' ``keep`` rules and says what to copy, remove, evict and delete.
-- ``Retention`` collects the checkpoints from the namespace and the tiers, applies a plan
-  (copy, verify, then remove), and runs as a task in the mount's nursery: every
-  ``retention_interval`` and after the uploader went idle following a commit.
+- ``Retention`` collects the checkpoints from the namespace and the tiers' listings (every
+  node's checkpoints; checkpoints.py says what a checkpoint is and when it is complete),
+  applies a plan (copy, verify, then remove), and runs as a task in the mount's nursery:
+  every ``retention_interval`` and after the uploader went idle following a commit. Of the
+  nodes sharing a store, only the holder of the retention lease (lease.py) applies.
 
 Selection, per tier (the union of its rules; complete checkpoints only, but for milestones):
 - ``last = N``: the N highest steps;
@@ -15,7 +17,8 @@ Selection, per tier (the union of its rules; complete checkpoints only, but for 
   past ``f * total_steps`` (any checkpoint, so that the choice never moves once made).
 
 Invariants the planner keeps (tests/test_retention.py checks them with hypothesis):
-- a checkpoint that is being written, uploaded, or has an incomplete file is never touched;
+- a checkpoint that is being written, uploaded, has an incomplete file, or has no commit
+  marker is never touched (and never counts as the newest or among the last N);
 - a copy is removed only once every tier that must hold the checkpoint holds it, and never
   the last committed copy on a tier other than NVMe; the NVMe copy is evicted only while such
   a copy exists and stays;
