@@ -35,6 +35,7 @@ step is planned but marked blocked.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -60,6 +61,7 @@ from ckptfs.checkpoints import (
     journal_files,
 )
 from ckptfs.config import Config, KeepRules, TierConfig
+from ckptfs.coordination import retired_key
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.lease import Holder, Lease
@@ -680,6 +682,8 @@ class Retention:
         # The planner removes only once every tier that must hold the checkpoint holds every
         # file of it (sizes and checksums compared in this run's listing; copies verified).
         keys = self._keys_of(c.name, (r.key for r in state.remote.get(tier, [])))
+        if self.policy.tier(tier).location == self._warm().location:
+            await self._retire(c.name)  # it leaves the tier every namespace merges
         for key in keys:
             await self.tiers[tier].delete(key)
         members = [t for t in self.policy.tiers if t.location == self.policy.tier(tier).location]
@@ -693,6 +697,16 @@ class Retention:
             await tier.delete(key)
         if dirs:
             await tier.delete(name + "/")
+
+    def _warm(self) -> TierPolicy:
+        return next(t for t in self.policy.tiers if t.name != HOT)
+
+    async def _retire(self, name: str) -> None:
+        """Record, before its first object goes from the warm tier, that retention removes
+        checkpoint ``name`` there: the other nodes then drop their local copies of it instead
+        of uploading them again (coordination.py ``RETIRED``, listing.py)."""
+        body = json.dumps({"by": self.node, "at": self.clock()}).encode()
+        await self.tiers[self._warm().name].put_small(retired_key(name), body)
 
     def _open_file(self, name: str) -> str | None:
         """A file of checkpoint ``name`` that is open right now (by any handle), if any:
@@ -751,6 +765,7 @@ class Retention:
         if self.fs is not None:
             self._check_not_open(c)
             await self._forget(c.name)
+        await self._retire(c.name)
         seen: set[str] = set()
         for t in self.policy.tiers:
             if t.name == HOT or t.location in seen:
@@ -771,6 +786,8 @@ class Retention:
     async def _forget(self, name: str) -> None:
         """Remove ``name`` and everything under it from the namespace, as rm -r would; a
         file found open on the way stops it (``InUse``: the rest is retried next run)."""
+        from ckptfs.errors import NotEmpty
+
         fs = self.fs
         assert fs is not None
         top = self._lookup(name)
@@ -784,9 +801,17 @@ class Retention:
         async def remove(parent: int, row: Row) -> None:
             assert row.name is not None
             if stat.S_ISDIR(row.mode):
-                for child in list(fs.ns.children(row.ino, 0)):
-                    await remove(row.ino, child)
-                await fs.rmdir(parent, row.name)
+                for attempt in range(3):
+                    # readdir merges the store's listing: other nodes' shards in it are
+                    # entries here too (rmdir would find them and refuse).
+                    for child in list(await fs.readdir(row.ino, 0)):
+                        await remove(row.ino, child)
+                    try:
+                        await fs.rmdir(parent, row.name)
+                        break
+                    except NotEmpty:
+                        if attempt == 2:
+                            raise
             else:
                 if fs.is_open(row.ino):  # opened while this deletion awaited the store
                     raise InUse(f"{os.fsdecode(row.name)} in {name} is open: left for later")

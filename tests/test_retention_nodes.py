@@ -30,9 +30,10 @@ from ckptfs.checkpoints import (
     build,
 )
 from ckptfs.config import DEFAULT_COMMIT_MARKERS, Config, KeepRules, load_config
+from ckptfs.coordination import retired_key
 from ckptfs.errors import UserError
 from ckptfs.fs import Filesystem
-from ckptfs.journal import Journal, State
+from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.lease import LEASE_KEY, Lease, LeaseLost
 from ckptfs.retention import Policy, Retention, TierPolicy, newest_complete, plan
 from ckptfs.staging import Staging
@@ -273,6 +274,18 @@ async def test_a_node_copies_shards_it_never_wrote(
             set(cold_tier.objects)
         assert cold_tier.objects["step_1/__1_0.distcp"].body == b"b" * 1000
         assert not any(k.startswith("step_1/") for k in store_named(store))
+        assert retired_key("step_1") in store_named(store)
+        # B still has its shard on NVMe. Its listing misses it from the warm tier; since
+        # retention retired step_1 after B committed it, B drops its copy instead of
+        # uploading it again (which would bring a marker-less step_1 back).
+        assert b.fs.lister is not None
+        for _ in range(3):
+            await b.fs.lister.refresh_tree(b.fs.ns.get(ROOT_INODE))
+            await trio.sleep(10)  # past metadata_ttl: the next refresh lists again
+        await b.uploader.wait_idle()
+        assert not any(k.startswith("step_1") for k in store_named(store))
+        assert b"step_1" not in {r.name for r in b.fs.ns.children(ROOT_INODE, 0)}
+        assert b"step_2" in {r.name for r in b.fs.ns.children(ROOT_INODE, 0)}
         await a.stop()
         await b.stop()
 
@@ -364,7 +377,8 @@ async def test_lease_is_renewed_while_applying_and_released_after(
     put_small = inner.put_small
 
     async def recording(key: str, data: bytes, **kw: object) -> str:
-        writes.append((trio.current_time(), data.decode()))
+        if key == LEASE_KEY:
+            writes.append((trio.current_time(), data.decode()))
         return await put_small(key, data, **kw)  # type: ignore[arg-type]
 
     inner.put_small = recording  # type: ignore[method-assign]

@@ -164,7 +164,10 @@ def local_state(fs: Filesystem) -> tuple[set[str], set[str]]:
 
 
 def checkpoints_of(keys: list[str]) -> set[str]:
-    return {k.split("/")[0] for k in keys if k != "latest" and not k.endswith("/")}
+    """Checkpoint names of store keys (not the nodes' shared state under .ckptfs/, such as
+    the retirement records of deleted checkpoints)."""
+    return {k.split("/")[0] for k in keys
+            if k != "latest" and not k.endswith("/") and not k.startswith(".ckptfs/")}
 
 
 def check_report(report: dict[str, Any], expected: dict[str, set[str]]) -> None:
