@@ -449,9 +449,10 @@ class Retention:
     default); with ``markers`` a checkpoint is complete only with a commit marker.
 
     Invariants of applying:
-    - with ``node`` set, nothing is applied unless this node holds the unexpired lease in
-      the warm tier; it is renewed while applying and each action starts only while it is
-      valid; it is released after the run;
+    - with ``node`` set, nothing but evictions of this node's NVMe copies is applied unless
+      this node holds the unexpired lease in the warm tier; it is taken only when copies,
+      removals or deletions are planned, renewed while applying (each such action starts
+      only while it is valid) and released after the run;
     - the inventory is the store listing of every tier (``.ckptfs/`` excluded) merged with
       the journal: checkpoints other nodes wrote are seen, and copied whole;
     - just before a checkpoint leaves NVMe (eviction, deletion), none of its files may be
@@ -570,6 +571,9 @@ class Retention:
         and ``held_by`` says who."""
         async with self._lock:
             total = RunResult(at=self.clock())
+            if self.lease is not None and not await self._needs_lease(total, now):
+                self.last_run = {"at": self.clock(), **total.as_dict()}
+                return total
             if self.lease is not None:
                 holder = await self.lease.acquire()
                 if holder is not None:
@@ -596,6 +600,22 @@ class Retention:
             self.last_run = {"at": self.clock(), **total.as_dict()}
             return total
 
+    async def _needs_lease(self, total: RunResult, now: float | None) -> bool:
+        """A first round without the lease: evictions only drop this node's NVMe copies
+        (of checkpoints a remote tier holds) and need nobody's leave, so they are applied
+        here; True if anything else (copies, removals, deletions: shared state) is planned.
+        A run with nothing shared to do thus writes nothing to the store."""
+        state = await self.collect(now)
+        actions = plan(state.checkpoints, self.policy, state.now)
+        total.blocked = [a for a in actions if a.blocked is not None]
+        runnable = [a for a in actions if a.blocked is None]
+        local = [a for a in runnable if a.kind == "evict"]
+        if local:
+            result = await self.apply(local, state)
+            total.done += result.done
+            total.failed += result.failed
+        return any(a.kind != "evict" for a in runnable)
+
     async def _rounds(self, total: RunResult, now: float | None) -> None:
         for _ in range(MAX_ROUNDS):
             state = await self.collect(now)
@@ -616,7 +636,7 @@ class Retention:
         rank = {"copy": 0, "remove": 1, "evict": 2, "delete": 3}
         for action in sorted(actions, key=lambda a: rank[a.kind]):
             c = by_name[action.checkpoint]
-            if self.lease is not None and not self.lease.valid():
+            if self.lease is not None and action.kind != "evict" and not self.lease.valid():
                 # Renewals failed for a third of the lease: another node may take it soon.
                 result.failed.append((action, "the retention lease ran out: not started"))
                 continue

@@ -171,7 +171,9 @@ def print_ls_tiers(report: dict[str, Any]) -> None:
 
 def print_retention(report: dict[str, Any], applied: bool) -> None:
     if applied and report.get("skipped"):
-        print(f"skipped: {report['skipped']}; nothing applied by this node")
+        for a in report.get("done", []):  # evictions of this node's NVMe copies need no lease
+            print(f"done     {a['checkpoint']}: {a['text']}")
+        print(f"skipped: {report['skipped']}: copies, removals and deletions are left to it")
         for a in report["plan"]:
             print(f"pending  {a['checkpoint']}: {a['text']}")
         return

@@ -126,7 +126,8 @@ def test_one_node_applies_and_sees_every_node_s_checkpoints(
         skipped = ckptfs("retention", b.path, "--apply", check=False)
         assert skipped.returncode == 1, skipped
         assert "held by node node-a" in skipped.stderr, skipped.stderr
-        assert "nothing applied" in skipped.stdout
+        assert "skipped: the retention lease is held by node node-a" in skipped.stdout
+        assert "done " not in skipped.stdout
         out, err = applying.communicate(timeout=300)
     finally:
         if applying.poll() is None:

@@ -469,3 +469,36 @@ async def test_a_file_opened_at_apply_time_keeps_its_checkpoint(
         fs.close()
         journal.close()
         staging.close()
+
+
+async def test_evictions_need_no_lease_and_a_quiet_run_writes_nothing(tmp_path: Path) -> None:
+    """Evicting this node's NVMe copies is node-local: done even while another node holds
+    the lease; a run with nothing shared to do never writes the lease."""
+    tiers = memory_tiers(f"{id(tmp_path)}", "warm")
+    warm = tiers["warm"]
+    assert isinstance(warm, MemoryTier)
+    fs, uploader, journal, staging = await local_node(tmp_path, warm)
+    policy = Policy((TierPolicy(HOT, KeepRules(last=1), HOT, HOT),
+                     TierPolicy("warm", KeepRules(all=True), "memory:w", "memory")))
+    retention = Retention(policy, tiers, fs=fs, markers=MARKERS, node="b")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(uploader.run)
+            inos = [await write(fs, f"step_{step}/model.pt", b"w" * 100) for step in (1, 2, 3)]
+            for step in (1, 2, 3):
+                await write(fs, f"step_{step}/.metadata", b"m")
+            await uploader.wait_idle()
+            assert await Lease(warm, "a", 600).acquire() is None
+            result = await retention.run_once()
+            assert sorted((a.kind, a.checkpoint) for a in result.done) == \
+                [("evict", "step_1"), ("evict", "step_2")]
+            assert result.held_by is None  # nothing shared was planned: the lease not asked
+            assert [fs.ns.get(i).state for i in inos] == [State.REMOTE, State.REMOTE,
+                                                          State.COMMITTED]
+            holder, _ = await Lease(warm, "x", 600).read()
+            assert holder is not None and holder.node == "a"  # a's lease untouched
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.close()
+        journal.close()
+        staging.close()
