@@ -29,9 +29,9 @@ the newest ``mtime`` its objects carry in their ckptfs metadata.
 Which tiers hold a checkpoint is decided on *files* (regular files; directory markers and
 symlinks are not part of the test): a tier holds it when every file of the checkpoint is there
 with its size (and checksum, where the listing tells it). The files of a checkpoint are the
-union of the journal's and of every tier's listing (other nodes write shards this journal
-never heard of); a key's size is the journal's when it knows the key, else the warmest
-tier's.
+objects the warmest tier that has any of it lists under it (other nodes write shards this
+journal never heard of) plus the journal's files, whose sizes win. Colder tiers are not
+merged in: a stale leftover there must not make the warmer copy look partial.
 
 ``build`` is pure (tests drive it directly); ``collect`` gathers its inputs from a live
 namespace and the tiers.
