@@ -60,6 +60,25 @@ NODES = CONTROL_PREFIX + "nodes/"
 BARRIERS = CONTROL_PREFIX + "barriers/"
 ACKS = CONTROL_PREFIX + "acks/"
 EPOCH = CONTROL_PREFIX + "epoch"
+# Checkpoints retention deleted, or moved off the warm tier: ``retired/<quoted path>`` holds
+# {"by": node, "at": wall time}, written before the first object goes. A node whose listing
+# misses an object it still has a local copy of uploads it again, unless the object is under
+# a path retired after the node committed it: then the store's absence is the policy's
+# decision, and the node drops its copy too (listing.py).
+RETIRED = CONTROL_PREFIX + "retired/"
+
+
+def retired_key(path: str) -> str:
+    """The retirement record of a checkpoint path (``runs/exp1/step_100``)."""
+    from urllib.parse import quote
+
+    return RETIRED + quote(path.strip("/"), safe="")
+
+
+def retired_paths(key: str) -> list[str]:
+    """The paths whose retirement covers ``key``: itself and each of its ancestors."""
+    parts = key.strip("/").split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 NODE_ID_FILE = "node-id"
 RECENT = 60.0  # seconds after a barrier or upload during which a node polls at the fast rate
 BACKOFF_MAX = 30.0

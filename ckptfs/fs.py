@@ -302,6 +302,11 @@ class Filesystem:
     def _busy(self, ino: int) -> bool:
         return bool(self.ns.open_count(ino) or self._writers.get(ino))
 
+    def is_open(self, ino: int) -> bool:
+        """Whether a handle (reading or writing) is open on the file now (retention checks
+        it just before a checkpoint leaves NVMe)."""
+        return self._busy(ino)
+
     # -- attributes -----------------------------------------------------------------------
 
     async def lookup(self, parent: int, name: bytes) -> Row:
