@@ -1,10 +1,25 @@
 """Checkpoints: what retention works on, built from the journal and from tier listings.
 
-A *checkpoint* is a top-level entry of the mount (``step_1000/``, ``ckpt_step_1000.pt``,
-``global_step1000/``, ``iter_0001000/``). Its *step* is parsed from the name with
-``step_regex`` (default: the last integer). A top-level entry whose name has no step
-(``latest``, ``latest_checkpointed_iteration.txt``) is a *pointer*: retention never deletes
-it and copies it to every tier that holds checkpoint data.
+*Detection* (``Detector``): ``checkpoint_pattern`` is a regular expression with a named group
+``step``, searched in each key (the path relative to the mount root); the checkpoint is the
+path up to the end of the component in which ``step`` matched: ``runs/exp1/step_100/model.pt``
+belongs to the checkpoint ``runs/exp1/step_100`` (step 100), ``ckpt_step_1000.pt`` is a
+checkpoint by itself. The default matches ``step_100``, ``step-100``, ``step100``,
+``checkpoint-500`` (HF), ``iter_0000500`` (Megatron), ``global_step500`` (DeepSpeed) and
+``ckpt_step_1000.pt`` at any depth, but not a name ending in ``.tmp`` (``step_100.tmp/``, a
+checkpoint being written under a temporary name). The legacy ``step_regex`` (when configured
+instead) keeps the old rule: every top-level entry is a checkpoint, its step the regex's
+first group. A key that belongs to no checkpoint belongs to a *pointer* named by its
+top-level component (``latest``, ``latest_checkpointed_iteration.txt``): retention never
+deletes it and copies it to every tier that holds checkpoint data.
+
+*Complete*: a checkpoint is complete only when its **commit marker** is present: an object
+whose file name matches ``commit_markers`` (``.metadata``, ``COMMITTED``, ``*.done``, ...)
+somewhere inside it, in the store or committed in the journal. A checkpoint that is a single
+file is its own marker (an object appears whole). Without a marker it is ``"no marker"`` and
+retention leaves it alone: never counted as the newest or among the last N, never copied,
+evicted, removed or deleted (see docs/RETENTION.md: an abandoned one is removed by hand).
+Besides, a checkpoint with a file this node is writing or uploading is busy, as before.
 
 A checkpoint's *time* is when its last file was committed to the warm tier (the journal's
 ``committed_at``), not the modification time of a remote copy: copying it to a colder tier
@@ -14,7 +29,9 @@ the newest ``mtime`` its objects carry in their ckptfs metadata.
 Which tiers hold a checkpoint is decided on *files* (regular files; directory markers and
 symlinks are not part of the test): a tier holds it when every file of the checkpoint is there
 with its size (and checksum, where the listing tells it). The files of a checkpoint are the
-journal's when this node knows it, else the union over the tiers.
+objects the warmest tier that has any of it lists under it (other nodes write shards this
+journal never heard of) plus the journal's files, whose sizes win. Colder tiers are not
+merged in: a stale leftover there must not make the warmer copy look partial.
 
 ``build`` is pure (tests drive it directly); ``collect`` gathers its inputs from a live
 namespace and the tiers.
@@ -22,6 +39,7 @@ namespace and the tiers.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import stat
@@ -47,8 +65,56 @@ def parse_step(name: str, step_regex: str | re.Pattern[str]) -> int | None:
 
 
 def top_level(key: str) -> str:
-    """The checkpoint a key belongs to: its first path component."""
+    """The first path component of a key (the name of a pointer)."""
     return key.split("/", 1)[0]
+
+
+# Default ``checkpoint_pattern``: a path component made of an optional prefix ending in
+# ``_``, ``.`` or ``-``, then ``step``, ``checkpoint`` or ``iter``, an optional ``_``/``-``,
+# the step, an optional suffix starting with ``_``, ``.`` or ``-``, and not ending in ``.tmp``.
+DEFAULT_CHECKPOINT_PATTERN = (
+    r"(?:^|/)(?:[^/]*[_.-])?(?:step|checkpoint|iter)[_-]?(?P<step>\d+)"
+    r"(?:[._-][^/]*)?(?<!\.tmp)(?=/|$)"
+)
+
+
+@dataclass(frozen=True)
+class Detector:
+    """Which checkpoint (or pointer) a key belongs to, and its step (module docstring).
+
+    Invariant: ``locate`` of every key under a checkpoint's path gives that checkpoint, so
+    the objects of a checkpoint are exactly the keys equal to its name or under ``name/``
+    whose ``locate`` names it."""
+
+    pattern: re.Pattern[str]
+    step_regex: re.Pattern[str] | None = None  # legacy: top-level names, first group
+
+    @classmethod
+    def from_pattern(cls, pattern: str = DEFAULT_CHECKPOINT_PATTERN,
+                     step_regex: str | None = None) -> Detector:
+        return cls(re.compile(pattern), re.compile(step_regex) if step_regex else None)
+
+    def locate(self, key: str) -> tuple[str, int | None]:
+        """(checkpoint or pointer name, step; None for a pointer) of a key."""
+        key = key.rstrip("/")
+        if self.step_regex is not None:
+            name = top_level(key)
+            return name, parse_step(name, self.step_regex)
+        match = self.pattern.search(key)
+        if match is None:
+            return top_level(key), None
+        try:
+            step = int(match.group("step"))
+        except (IndexError, TypeError, ValueError):
+            return top_level(key), None
+        end = key.find("/", match.end("step"))
+        return (key if end < 0 else key[:end]), step
+
+    def name_of(self, key: str) -> str:
+        return self.locate(key)[0]
+
+
+DEFAULT_DETECTOR = Detector.from_pattern()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +160,8 @@ class Checkpoint:
     size: int
     # None when complete; else why retention must not touch it: "writing" (a file is open for
     # writing or has no file yet), "uploading" (staged or uploading), "incomplete" (a writer
-    # died before closing a file).
+    # died before closing a file), "no marker" (no commit marker object in it: its writers,
+    # on any node, may not be done).
     busy: str | None = None
     held: frozenset[str] = frozenset()  # tiers with every file
     partial: frozenset[str] = frozenset()  # tiers with some files but not all
@@ -127,45 +194,67 @@ def build(
     tier_order: Sequence[str],
     local_entries: Iterable[str] = (),
     progress: Mapping[str, float] | None = None,
+    detector: Detector | None = None,
+    markers: Sequence[str] | None = None,
 ) -> list[Checkpoint]:
     """Checkpoints from the journal's files and each remote tier's files, oldest step first.
 
-    ``tier_order`` names every tier, ``hot`` first; ``local_entries`` are top-level names the
-    journal has (a checkpoint directory with no file yet counts as being written);
-    ``progress`` gives bytes already sent of each uploading file (by key).
+    ``tier_order`` names every tier, ``hot`` first; ``local_entries`` are paths of entries
+    the journal has (a checkpoint directory with no file yet counts as being written);
+    ``progress`` gives bytes already sent of each uploading file (by key). ``detector``
+    (default: the legacy top-level rule with ``step_regex``) groups keys into checkpoints;
+    with ``markers`` (``commit_markers``), a checkpoint with no marker object is not complete.
     """
-    pattern = re.compile(step_regex)
+    if detector is None:
+        detector = Detector.from_pattern(step_regex=step_regex)
     progress = progress or {}
     accs: dict[str, _Acc] = {}
-    for name in local_entries:
-        accs.setdefault(name, _Acc()).has_entry = True
+    steps: dict[str, int | None] = {}
+
+    def acc_of(key: str) -> _Acc:
+        name, step = detector.locate(key)
+        steps[name] = step
+        return accs.setdefault(name, _Acc())
+
+    for entry in local_entries:
+        name, step = detector.locate(entry)
+        if step is not None or "/" not in entry.rstrip("/"):
+            acc_of(entry).has_entry = True
     for f in local_files:
-        acc = accs.setdefault(top_level(f.key), _Acc())
+        acc = acc_of(f.key)
         acc.has_entry = True
         acc.local.append(f)
     for tier, files in remote.items():
         for r in files:
-            accs.setdefault(top_level(r.key), _Acc()).remote.setdefault(tier, []).append(r)
+            acc_of(r.key).remote.setdefault(tier, []).append(r)
     result = []
     for name, acc in accs.items():
-        result.append(_checkpoint(name, acc, pattern, tier_order, progress))
+        result.append(_checkpoint(name, steps[name], acc, tier_order, progress, markers))
     result.sort(key=lambda c: (c.step is None, c.step if c.step is not None else 0,
                                c.time or 0.0, c.name))
     return result
 
 
-def _checkpoint(name: str, acc: _Acc, pattern: re.Pattern[str], tier_order: Sequence[str],
-                progress: Mapping[str, float]) -> Checkpoint:
-    step = parse_step(name, pattern)
+def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str],
+                progress: Mapping[str, float], markers: Sequence[str] | None) -> Checkpoint:
     by_tier = {t: {r.key: r for r in files} for t, files in acc.remote.items()}
     busy: str | None = None
     checksums: dict[str, str | None] = {}
+    # The files are the warmest tier's listing of the checkpoint (it has the shards other
+    # nodes wrote) plus the journal's own files, which override (this node knows them best).
+    # Colder tiers are not merged in: a stale leftover there must not make the warm copy
+    # look partial.
+    files: dict[str, int] = {}
+    for tier in tier_order:
+        if by_tier.get(tier):
+            files = {key: r.size for key, r in by_tier[tier].items()}
+            break
     if acc.has_entry:
-        files = {f.key: f.size for f in acc.local}
+        files.update({f.key: f.size for f in acc.local})
         checksums = {f.key: f.checksum for f in acc.local}
         if any(f.incomplete for f in acc.local):
             busy = "incomplete"
-        elif not acc.local or any(f.state is State.OPEN for f in acc.local):
+        elif (not acc.local and not files) or any(f.state is State.OPEN for f in acc.local):
             busy = "writing"
         elif any(f.state in (State.STAGED, State.UPLOADING) for f in acc.local):
             busy = "uploading"
@@ -175,10 +264,10 @@ def _checkpoint(name: str, acc: _Acc, pattern: re.Pattern[str], tier_order: Sequ
         time = max((t for t in times if t is not None), default=None) \
             if busy is None else None
     else:
-        files = {}
-        for tier in tier_order:  # the union over tiers; sizes from the warmest
-            for key, r in by_tier.get(tier, {}).items():
-                files.setdefault(key, r.size)
+        time = None
+    if busy is None and step is not None and markers is not None \
+            and not _has_marker(name, files, acc, by_tier, markers):
+        busy = "no marker"
         time = None
     if time is None and busy is None:
         mtimes = [r.mtime for t in by_tier.values() for r in t.values() if r.mtime is not None]
@@ -187,7 +276,9 @@ def _checkpoint(name: str, acc: _Acc, pattern: re.Pattern[str], tier_order: Sequ
     for tier in tier_order:
         if tier == HOT:
             local = [f for f in acc.local if f.local]
-            if local and len(local) == len(acc.local) and acc.local and busy is None:
+            # Held on NVMe: every file of the checkpoint (others' shards too) is local here.
+            if local and len(local) == len(acc.local) and busy is None \
+                    and {f.key for f in local} >= files.keys():
                 held.add(tier)
             elif local:
                 partial.add(tier)
@@ -217,22 +308,42 @@ def _checkpoint(name: str, acc: _Acc, pattern: re.Pattern[str], tier_order: Sequ
     )
 
 
+def _has_marker(name: str, files: Mapping[str, int], acc: _Acc,
+                by_tier: Mapping[str, Mapping[str, RemoteFile]], markers: Sequence[str]) -> bool:
+    """A committed marker object inside the checkpoint (in a store, or committed by this
+    node), or the checkpoint is one file (an object appears whole)."""
+    if set(files) == {name}:
+        return True
+    present = {f.key for f in acc.local if f.state in (State.COMMITTED, State.REMOTE)}
+    for objects in by_tier.values():
+        present.update(objects)
+    return any(is_marker_key(key, markers) for key in present)
+
+
+def is_marker_key(key: str, markers: Sequence[str]) -> bool:
+    """Whether the file name of ``key`` matches a ``commit_markers`` pattern."""
+    base = key.rstrip("/").rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatchcase(base, m) for m in markers)
+
+
 # -- the journal side ---------------------------------------------------------------------
 
 
 def journal_files(rows_of: RowSource) -> tuple[list[LocalFile], list[str]]:
-    """Every regular file under the mount root, and the top-level names, from the namespace."""
+    """Every regular file under the mount root, and the paths of every entry (directories
+    included: a checkpoint directory with no file yet is being written), from the namespace."""
     files: list[LocalFile] = []
     names: list[str] = []
     for top in rows_of.children(ROOT_INODE, 0):
         assert top.name is not None
         name = os.fsdecode(top.name)
-        names.append(name)
-        _walk(rows_of, top, name, files)
+        _walk(rows_of, top, name, files, names)
     return files, names
 
 
-def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile]) -> None:
+def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile],
+          names: list[str]) -> None:
+    names.append(key)
     if stat.S_ISREG(row.mode):
         # A row the store listing added has no closed_at: its committed_at is when it was
         # listed, not when it was committed.
@@ -243,7 +354,7 @@ def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile]) -> None:
     elif stat.S_ISDIR(row.mode):
         for child in rows_of.children(row.ino, 0):
             assert child.name is not None
-            _walk(rows_of, child, key + "/" + os.fsdecode(child.name), out)
+            _walk(rows_of, child, key + "/" + os.fsdecode(child.name), out, names)
 
 
 class RowSource(Protocol):

@@ -451,6 +451,36 @@ def status(
         console.print(table)
 
 
+@app.command()
+def nodes(
+    mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mount.")] = Path("."),
+    forget: Annotated[str | None, typer.Option(
+        help="Remove this dead node's registration: markers stop waiting for its uploads.",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """The nodes sharing this mount's store; markers wait for every one of them."""
+    entry, _ = client.locate(mountpoint)
+    reply = client.nodes(entry.mountpoint, forget)
+    if as_json:
+        print(json.dumps(reply, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("node", "host", "pid", "registered", "", title_justify="left",
+                  title=f"nodes of the store of {entry.mountpoint}")
+    for n in reply["nodes"]:
+        since = n.get("since")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+        note = "this node" if n.get("self") else (
+            "a marker waits for it" if n.get("waited_for") else "")
+        table.add_row(n["node"], str(n.get("host", "?")), str(n.get("pid", "?")), when, note)
+    Console().print(table)
+    if reply.get("held_markers"):
+        print(f"markers held on this node: {', '.join(reply['held_markers'])}")
+
+
 @app.command("ls-tiers")
 def ls_tiers(
     mountpoint: Annotated[Path | None, typer.Argument(

@@ -134,6 +134,18 @@ def sync(
     return _follow(mountpoint, payload, timeout, on_progress) is not None
 
 
+def nodes(mountpoint: str | Path, forget: str | None = None) -> dict[str, Any]:
+    """The nodes registered in the mount's store (after forgetting ``forget``)."""
+    payload: dict[str, Any] = {"op": "nodes"}
+    if forget:
+        payload["forget"] = forget
+    for reply in control.request(control_socket(mountpoint), payload):
+        if "error" in reply:
+            raise UserError(str(reply["error"]))
+        return reply
+    raise UserError(f"the ckptfs daemon of {mountpoint} gave no answer")
+
+
 def evict(mountpoint: str | Path, rel: str) -> dict[str, Any]:
     """Drop local copies of committed files under ``rel``; what the daemon did."""
     for reply in _replies(mountpoint, {"op": "evict", "path": rel}):

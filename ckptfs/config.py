@@ -5,7 +5,8 @@ Invariants:
 - Unknown keys, wrong types and bad values are rejected at load with a ``UserError`` whose one
   line names the offending key (``tier.1.url``), never later at first use.
 - With no file at all, ``Config()`` is the embedded default: staging in
-  /var/lib/ckptfs/staging and the local directory /var/lib/ckptfs/store as the warm tier.
+  /var/lib/ckptfs/staging and the local directory /var/lib/ckptfs/store as the warm tier,
+  which keeps every checkpoint (the default never deletes the only remote copy).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 
+from ckptfs.checkpoints import DEFAULT_CHECKPOINT_PATTERN
 from ckptfs.errors import UserError
 
 DEFAULT_STAGING = Path("/var/lib/ckptfs/staging")
@@ -182,11 +184,9 @@ def validate_tier_url(url: str) -> None:
 def _default_tiers() -> tuple[TierConfig, ...]:
     return (
         TierConfig(name="hot", keep=KeepRules(last=3)),
-        TierConfig(
-            name="warm",
-            url=DEFAULT_STORE.as_uri(),
-            keep=KeepRules(last=3, hourly=timedelta(hours=24)),
-        ),
+        # No keep rule for warm: it keeps every checkpoint. The embedded default must never
+        # delete the only remote copy; deleting is for a policy someone wrote.
+        TierConfig(name="warm", url=DEFAULT_STORE.as_uri()),
     )
 
 
@@ -221,10 +221,19 @@ class Config(_Strict):
     # The kernel's readahead on the mount (its bdi's read_ahead_kb; 0: the kernel's 128).
     read_ahead_kb: int = Field(default=1024, ge=0, le=1024 * 1024)
     total_steps: int | None = Field(default=None, ge=1)
-    step_regex: str = r"(\d+)(?!.*\d)"
+    # Which paths are checkpoints (checkpoints.py): a regex with a named group ``step``,
+    # searched in the path relative to the mount; the checkpoint is the component where the
+    # step matched. ``step_regex`` (legacy; not with checkpoint_pattern): every top-level
+    # entry is a checkpoint whose step is the regex's first group.
+    checkpoint_pattern: str = DEFAULT_CHECKPOINT_PATTERN
+    step_regex: str | None = None
     # Retention runs this often, and after the uploads that follow a commit; 0: only
     # `ckptfs retention --apply`.
     retention_interval: Duration = timedelta(minutes=10)
+    # The lease (.ckptfs/retention.lease in the warm tier) that lets one node at a time
+    # apply the policy: this long from each renewal. Wall clocks of the nodes are compared:
+    # their skew must be far below a third of it (docs/RETENTION.md, "Several nodes").
+    retention_lease: Duration = timedelta(minutes=10)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fuse_workers: int = Field(default=64, ge=1, le=1024)
     # Prometheus endpoint (metrics.py): off unless a port is given.
@@ -248,7 +257,9 @@ class Config(_Strict):
 
     @field_validator("step_regex")
     @classmethod
-    def _compiles(cls, value: str) -> str:
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         try:
             pattern = re.compile(value)
         except re.error as exc:
@@ -257,8 +268,30 @@ class Config(_Strict):
             raise ValueError("needs one capturing group for the step number")
         return value
 
+    @field_validator("checkpoint_pattern")
+    @classmethod
+    def _has_step(cls, value: str) -> str:
+        try:
+            pattern = re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        if "step" not in pattern.groupindex:
+            raise ValueError("needs a named group (?P<step>...) for the step number")
+        return value
+
+    @field_validator("retention_lease")
+    @classmethod
+    def _lease_length(cls, value: timedelta) -> timedelta:
+        if value < timedelta(seconds=3):
+            raise ValueError(f"must be at least 3s (renewed every third of it), not "
+                             f"{value.total_seconds():g}s")
+        return value
+
     @model_validator(mode="after")
     def _tiers(self) -> Config:
+        if self.step_regex is not None and "checkpoint_pattern" in self.model_fields_set:
+            raise ValueError("checkpoint_pattern: give either checkpoint_pattern or the "
+                             "legacy step_regex, not both")
         names = [t.name for t in self.tier]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")

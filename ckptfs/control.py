@@ -202,6 +202,8 @@ class ControlServer:
                     await _send(stream, await self._evict(str(request.get("path") or "")))
                 elif op in ("ls-tiers", "retention") and self.retention is not None:
                     await _send(stream, await self._retention(bool(request.get("apply"))))
+                elif op == "nodes":
+                    await _send(stream, await self._nodes(request.get("forget")))
                 elif op == "restore":
                     await self._restore(stream, str(request.get("path") or ""),
                                         int(request.get("days") or 1),
@@ -218,6 +220,23 @@ class ControlServer:
                 log.exception("control socket: request failed")
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await _send(stream, {"error": f"request failed: {exc}"})
+
+    async def _nodes(self, forget: object) -> dict[str, Any]:
+        """The nodes registered in the store (``ckptfs nodes``), after forgetting one."""
+        coordinator = self.uploader.coordinator
+        if coordinator is None:
+            return {"error": "this mount does not coordinate with other nodes"}
+        try:
+            if forget:
+                await coordinator.forget(str(forget))
+                log.warning("node %s forgotten on request: markers no longer wait for it",
+                            forget)
+            return {"node": coordinator.node, "nodes": await coordinator.describe(),
+                    "held_markers": self.uploader.held_markers()}
+        except ValueError as exc:
+            return {"error": str(exc)}
+        except CkptfsError as exc:
+            return {"error": f"the store did not answer: {exc}"}
 
     async def _retention(self, apply: bool) -> dict[str, Any]:
         """``ls-tiers`` and ``retention --plan`` (the report) or ``--apply`` (run, then it)."""
@@ -356,6 +375,15 @@ class ControlServer:
                         "max_bytes": self.fs.space.max_bytes},
         }
 
+    def _held(self) -> list[str]:
+        """Why markers are not uploaded yet, for ``sync``'s progress line."""
+        coordinator = self.uploader.coordinator
+        held = self.uploader.held_markers()
+        if coordinator is None or not held:
+            return []
+        waiting = ", ".join(coordinator.waiting_for) or "its barrier to be posted"
+        return [f"{held[0]} waits for node {waiting} (see 'ckptfs nodes')"]
+
     def _node(self) -> dict[str, Any] | None:
         coordinator = self.uploader.coordinator
         if coordinator is None:
@@ -389,7 +417,7 @@ class ControlServer:
                 done = not outstanding and not pending
             else:
                 done = not pending
-            errors = [w.error for w in outstanding if w.error]
+            errors = [w.error for w in outstanding if w.error] + self._held()
             await _send(stream, {"pending_files": len(pending), "pending_bytes": remaining,
                                  "total_bytes": max(total, remaining), "errors": errors[:3]})
             if done:

@@ -60,6 +60,25 @@ NODES = CONTROL_PREFIX + "nodes/"
 BARRIERS = CONTROL_PREFIX + "barriers/"
 ACKS = CONTROL_PREFIX + "acks/"
 EPOCH = CONTROL_PREFIX + "epoch"
+# Checkpoints retention deleted, or moved off the warm tier: ``retired/<quoted path>`` holds
+# {"by": node, "at": wall time}, written before the first object goes. A node whose listing
+# misses an object it still has a local copy of uploads it again, unless the object is under
+# a path retired after the node committed it: then the store's absence is the policy's
+# decision, and the node drops its copy too (listing.py).
+RETIRED = CONTROL_PREFIX + "retired/"
+
+
+def retired_key(path: str) -> str:
+    """The retirement record of a checkpoint path (``runs/exp1/step_100``)."""
+    from urllib.parse import quote
+
+    return RETIRED + quote(path.strip("/"), safe="")
+
+
+def retired_paths(key: str) -> list[str]:
+    """The paths whose retirement covers ``key``: itself and each of its ancestors."""
+    parts = key.strip("/").split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 NODE_ID_FILE = "node-id"
 RECENT = 60.0  # seconds after a barrier or upload during which a node polls at the fast rate
 BACKOFF_MAX = 30.0
@@ -128,6 +147,7 @@ class Coordinator:
         self._released = 0  # markers numbered up to this may go to the store
         self._wanted = 0  # the highest marker number waiting for a barrier
         self._kick = trio.Event()
+        self._active = trio.Event()
         self._numbers = itertools.count(int(time.time() * 1000))
         self._last_activity = -math.inf
         self.waiting_for: list[str] = []  # nodes that have not acked our barrier yet
@@ -150,6 +170,8 @@ class Coordinator:
     def activity(self) -> None:
         """Something was queued or uploaded: poll at the fast rate for a while."""
         self._last_activity = self._clock()
+        self._active.set()
+        self._active = trio.Event()
 
     def _wake(self) -> None:
         self._kick.set()
@@ -166,6 +188,42 @@ class Coordinator:
     async def deregister(self) -> None:
         await self._request("delete", self.tier.delete, NODES + self.node)
         self.registered = False
+
+    async def describe(self) -> list[dict[str, Any]]:
+        """Every registered node with what it registered (``ckptfs nodes``)."""
+        out = []
+        for name in sorted(await self.nodes()):
+            info: dict[str, Any] = {"node": name}
+            try:
+                body, _ = await self._request("get", self.tier.get_small, NODES + name)
+                info.update(json.loads(body))
+            except ObjectMissing:
+                continue  # it left meanwhile
+            except ValueError:
+                info["error"] = "unreadable registration"
+            info["node"] = name
+            info["self"] = name == self.node
+            info["waited_for"] = name in self.waiting_for
+            out.append(info)
+        return out
+
+    async def forget(self, name: str) -> None:
+        """Remove another node's registration: markers stop waiting for it. Only for a node
+        that is gone for good (its uploads would no longer be waited for); a live node that
+        is forgotten registers again when it next sees a barrier."""
+        if name == self.node:
+            raise ValueError("a node cannot forget itself (unmount it instead)")
+        if name not in await self.nodes():
+            raise ValueError(f"no node {name!r} is registered")
+        await self._request("delete", self.tier.delete, NODES + name)
+
+    async def _still_registered(self) -> None:
+        try:
+            await self._request("get", self.tier.get_small, NODES + self.node)
+        except ObjectMissing:
+            log.warning("this node (%s) was forgotten by another node: registering again",
+                        self.node)
+            await self.register()
 
     async def nodes(self) -> set[str]:
         """The registered nodes."""
@@ -268,6 +326,8 @@ class Coordinator:
             except ObjectMissing:
                 tag = ""
             if tag != epoch or first:
+                if not first:
+                    await self._still_registered()
                 first = False
                 listed = {n for n in await self._names(BARRIERS)
                           if not n.startswith(self.node + "/")}
@@ -287,7 +347,13 @@ class Coordinator:
                     self.stats.barriers_acked += 1
             self.error = None
             recent = self._clock() - self._last_activity < RECENT
-            await trio.sleep(self.poll if seen or recent else self.idle_poll)
+            if seen or recent:
+                await trio.sleep(self.poll)
+            else:
+                # Idle: a local write (a save starting here, so likely everywhere) ends the
+                # long sleep, so the barrier that follows is seen within one fast poll.
+                with trio.move_on_after(self.idle_poll):
+                    await self._active.wait()
 
     async def _request(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
         self.stats.requests[kind] = self.stats.requests.get(kind, 0) + 1

@@ -234,15 +234,47 @@ class Filesystem:
             for row in self.journal.rows_in_states(State.UPLOADING):
                 row.state = State.STAGED
                 self.journal.update(row)
+            self._repair_committed()
         for ino in self.journal.inos_with_ranges():
             ranged = self.journal.get(ino)
             if ranged is None or ranged.state is not State.REMOTE:
                 self.journal.set_ranges(ino, [])  # whole and local (or gone): not needed
             elif not self.staging.exists(ino):
                 self.journal.set_ranges(ino, [])  # the data file was lost: fetch again
+        self._remove_remote_leftovers()
         for stray in self.staging.stray_files(self.journal.all_inos()):
             log.warning("staging file with no journal entry (kept, not deleted): %s", stray)
         self.space.used = self.journal.local_bytes()
+
+    def _repair_committed(self) -> None:
+        """A COMMITTED file whose data file is missing or shorter than its size is REMOTE.
+
+        An eviction cut short by a crash (a power loss that kept the unlink but not the
+        journal's REMOTE, or a journal written by an older ckptfs that unlinked first) leaves
+        such a row; served as it is, it would read as zeros or nothing. Its committed copy is
+        in the store, so reads fetch it from there instead. Caller holds a transaction.
+        """
+        for row in self.journal.rows_in_states(State.COMMITTED):
+            actual = self.staging.file_size(row.ino)
+            if actual is not None and actual >= row.size:
+                continue
+            path = os.fsdecode(self.journal.path_of(row.ino) or b"?")
+            if row.remote_key is None:  # nothing to fetch from: leave it, loudly
+                log.error("committed file %s lost its local data and has no store copy", path)
+                continue
+            log.warning("committed file %s lost its local data (%s of %d bytes left): it will "
+                        "be read from the store", path, actual, row.size)
+            row.state = State.REMOTE
+            self.journal.update(row)
+
+    def _remove_remote_leftovers(self) -> None:
+        """A REMOTE file's data file holds only its journaled fetched ranges. One without any
+        is garbage (an eviction that crashed after journaling REMOTE, before the unlink; or
+        ranges fetched but never journaled): removed, so it takes no space unaccounted for."""
+        ranged = set(self.journal.inos_with_ranges())
+        for row in self.journal.rows_in_states(State.REMOTE):
+            if row.ino not in ranged and self.staging.exists(row.ino):
+                self.staging.unlink(row.ino)
 
     def _drop_data(self, row: Row) -> None:
         if not stat.S_ISREG(row.mode):
@@ -269,6 +301,11 @@ class Filesystem:
 
     def _busy(self, ino: int) -> bool:
         return bool(self.ns.open_count(ino) or self._writers.get(ino))
+
+    def is_open(self, ino: int) -> bool:
+        """Whether a handle (reading or writing) is open on the file now (retention checks
+        it just before a checkpoint leaves NVMe)."""
+        return self._busy(ino)
 
     # -- attributes -----------------------------------------------------------------------
 
@@ -742,6 +779,7 @@ class Filesystem:
                     return freed
                 if not self._busy(ino) and self.ns.get(ino).state is State.REMOTE:
                     freed += self.fetcher.drop(ino)
+        victims: list[Row] = []
         for row in self.journal.rows_in_states(State.COMMITTED):
             if freed >= nbytes:
                 break
@@ -749,19 +787,37 @@ class Filesystem:
             if cached.state is not State.COMMITTED or self.ns.open_count(row.ino) \
                     or self._writers.get(row.ino) or cached.remote_key is None:
                 continue
-            self.evict(cached)
+            victims.append(cached)
             freed += cached.size
+        self.evict(*victims)  # one durable journal commit for the lot
         return freed
 
-    def evict(self, row: Row) -> None:
-        """Drop the local copy of a committed file; it stays readable from the warm tier."""
-        if self.fetcher is not None:
-            self.fetcher.drop(row.ino)  # a new generation: no late fetch lands in it
-        self.staging.unlink(row.ino)
-        self.space.give_back(row.size)
-        row.state = State.REMOTE
-        self.ns.persist(row)
-        log.info("evicted local copy of %s (%d bytes)", row.remote_key, row.size)
+    def evict(self, *rows: Row) -> None:
+        """Drop the local copies of committed files; they stay readable from the warm tier.
+
+        Journal first: they are recorded REMOTE, durably, and only then is their data unlinked
+        (one journal sync for all of ``rows``: pass a checkpoint's files in one call).
+
+        Invariant: a COMMITTED row always has its whole data file. The other order would let a
+        crash between the two leave a COMMITTED row with no data, which reads as zeros instead
+        of being fetched. This order leaves at worst a REMOTE row with its old data file still
+        there: garbage that ``start`` removes.
+        """
+        if not rows:
+            return
+        with self.journal.transaction():
+            for row in rows:
+                if self.fetcher is not None:
+                    self.fetcher.reset(row.ino)  # a new generation: no late fetch lands in it
+                row.state = State.REMOTE
+                self.ns.persist(row)
+        # Durable (WAL synced) before any unlink: a power loss must not keep the unlink and
+        # lose the REMOTE (start() would repair that too, but only by noticing the loss).
+        self.journal.make_durable()
+        for row in rows:
+            self.staging.unlink(row.ino)
+            self.space.give_back(row.size)
+            log.info("evicted local copy of %s (%d bytes)", row.remote_key, row.size)
 
     def evict_tree(self, ino: int) -> tuple[int, int, list[str]]:
         """``ckptfs evict PATH``: drop local copies of committed files at or under ``ino``.
@@ -770,6 +826,7 @@ class Filesystem:
         yet, or open, keep their local copy: evicting them would lose data or pull data from
         under a reader."""
         evicted, freed, kept = 0, 0, []
+        victims: list[Row] = []
         for each in [ino, *self.journal.descendants(ino)]:
             row = self.ns.get(each)
             if not stat.S_ISREG(row.mode):
@@ -778,7 +835,7 @@ class Filesystem:
             if self._busy(each):
                 kept.append(f"{path}: open")
             elif row.state is State.COMMITTED and row.remote_key is not None:
-                self.evict(row)
+                victims.append(row)
                 evicted, freed = evicted + 1, freed + row.size
             elif row.state is State.REMOTE and self.fetcher is not None:
                 dropped = self.fetcher.drop(each)
@@ -786,6 +843,7 @@ class Filesystem:
                     evicted, freed = evicted + 1, freed + dropped
             else:
                 kept.append(f"{path}: {state_label(row)}, not committed to the store yet")
+        self.evict(*victims)  # one durable journal commit for the lot
         return evicted, freed, kept
 
     async def ensure_local(self, row: Row) -> None:

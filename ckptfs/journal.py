@@ -26,7 +26,9 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -338,15 +340,52 @@ class Journal:
         return {r[0] for r in self._db.execute("SELECT ino FROM inodes")}
 
     def unreconciled(self) -> list[Row]:
-        """Inodes that may differ from the warm tier (all but open, incomplete and the root)."""
-        return [
+        """Inodes that may differ from the warm tier: every linked inode except the root, open
+        or incomplete files, and REMOTE files still at their committed key.
+
+        A REMOTE file (evicted, or known from the store) renamed before the crash has no local
+        copy to upload: its server-side move is the only thing that brings the object to its
+        new key, so it is in (as is a COMMITTED one, whatever its key)."""
+        rows = [
             _row(r)
             for r in self._db.execute(
                 _SELECT + " WHERE ino != ? AND parent IS NOT NULL AND incomplete = 0"
-                " AND state NOT IN (?, ?) ORDER BY closed_at, ino",
-                (ROOT_INODE, State.OPEN.value, State.REMOTE.value),
+                " AND state != ? ORDER BY closed_at, ino",
+                (ROOT_INODE, State.OPEN.value),
             )
         ]
+        if not any(row.state is State.REMOTE for row in rows):
+            return rows
+        paths = self._linked_paths()
+        return [row for row in rows
+                if row.state is not State.REMOTE or _key(row, paths.get(row.ino)) != row.remote_key]
+
+    def _linked_paths(self) -> dict[int, bytes]:
+        """The path of every inode reachable from the root, in one scan of the table (a
+        ``path_of`` per row would be one recursive query each: slow for a large listing)."""
+        edges = {int(ino): (parent, bytes(name)) for ino, parent, name in self._db.execute(
+            "SELECT ino, parent, name FROM inodes WHERE parent IS NOT NULL")}
+        paths: dict[int, bytes] = {ROOT_INODE: b""}
+
+        def resolve(ino: int) -> bytes | None:
+            chain: list[int] = []
+            cursor: int | None = ino
+            while cursor is not None and cursor not in paths:
+                if cursor not in edges or len(chain) > len(edges):
+                    return None  # unlinked ancestor (or a loop, which the tree never has)
+                chain.append(cursor)
+                cursor = edges[cursor][0]
+            if cursor is None:
+                return None
+            for each in reversed(chain):
+                parent, name = edges[each]
+                above = paths[parent]
+                paths[each] = above + b"/" + name if above else name
+            return paths[ino]
+
+        for ino in edges:
+            resolve(ino)
+        return paths
 
     def local_bytes(self) -> int:
         """Bytes of file data in staging: whole local files plus fetched ranges of the rest."""
@@ -482,6 +521,13 @@ class Journal:
     def xattr_remove(self, ino: int, name: bytes) -> bool:
         cur = self._db.execute("DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
         return cur.rowcount > 0
+
+
+def _key(row: Row, path: bytes | None) -> str | None:
+    """The warm-tier key of ``row`` at ``path`` (directories end in "/"), as ``remote_key``."""
+    if path is None:
+        return None
+    return os.fsdecode(path) + ("/" if stat.S_ISDIR(row.mode) else "")
 
 
 def _value(value: object) -> object:

@@ -129,10 +129,12 @@ async def serve(
         except (TierError, StoreUnavailable) as exc:
             raise UserError(f"cannot register this node in {tier.url}: {exc}") from None
         control = ControlServer(fs, uploader, mountpoint, config.warm.url or "", config)
+        # One node at a time applies the policy: under the lease, as this node's id.
         retention = await Retention.open(
             config, warm=tier, fs=fs, upload_progress=lambda: upload_progress(uploader),
-            on_removed=lambda name: pyfuse3.invalidate_entry_async(
-                pyfuse3.ROOT_INODE, os.fsencode(name), ignore_enoent=True))
+            on_removed=lambda parent, name: pyfuse3.invalidate_entry_async(
+                parent, os.fsencode(name), ignore_enoent=True),
+            node=coordinator.node)
         control.retention = retention
         metrics = None
         if config.metrics_port is not None:

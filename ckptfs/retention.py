@@ -3,9 +3,11 @@
 Two parts:
 - ``plan(checkpoints, policy, now) -> [Action]`` is pure: it sees checkpoints (checkpoints.py)
   and the tiers' ``keep`` rules and says what to copy, remove, evict and delete.
-- ``Retention`` collects the checkpoints from the namespace and the tiers, applies a plan
-  (copy, verify, then remove), and runs as a task in the mount's nursery: every
-  ``retention_interval`` and after the uploader went idle following a commit.
+- ``Retention`` collects the checkpoints from the namespace and the tiers' listings (every
+  node's checkpoints; checkpoints.py says what a checkpoint is and when it is complete),
+  applies a plan (copy, verify, then remove), and runs as a task in the mount's nursery:
+  every ``retention_interval`` and after the uploader went idle following a commit. Of the
+  nodes sharing a store, only the holder of the retention lease (lease.py) applies.
 
 Selection, per tier (the union of its rules; complete checkpoints only, but for milestones):
 - ``last = N``: the N highest steps;
@@ -15,7 +17,8 @@ Selection, per tier (the union of its rules; complete checkpoints only, but for 
   past ``f * total_steps`` (any checkpoint, so that the choice never moves once made).
 
 Invariants the planner keeps (tests/test_retention.py checks them with hypothesis):
-- a checkpoint that is being written, uploaded, or has an incomplete file is never touched;
+- a checkpoint that is being written, uploaded, has an incomplete file, or has no commit
+  marker is never touched (and never counts as the newest or among the last N);
 - a copy is removed only once every tier that must hold the checkpoint holds it, and never
   the last committed copy on a tier other than NVMe; the NVMe copy is evicted only while such
   a copy exists and stays;
@@ -32,6 +35,7 @@ step is planned but marked blocked.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -46,18 +50,22 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import trio
 
 from ckptfs.checkpoints import (
+    DEFAULT_DETECTOR,
     HOT,
     Checkpoint,
+    Detector,
     LocalFile,
     RemoteFile,
     build,
+    is_marker_key,
     journal_files,
-    top_level,
 )
 from ckptfs.config import Config, KeepRules, TierConfig
+from ckptfs.coordination import retired_key
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
-from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta, Tier
+from ckptfs.lease import Holder, Lease
+from ckptfs.tiers.base import CONTROL_PREFIX, Kind, ObjectInfo, ObjectMeta, Tier
 from ckptfs.tiers.transfer import copy_object, verify
 
 if TYPE_CHECKING:
@@ -388,16 +396,34 @@ class RetentionError(CkptfsError):
     """An action failed (it is retried at the next run)."""
 
 
+class InUse(RetentionError):
+    """A file of the checkpoint is open now: it is left for a later run."""
+
+
 @dataclass
 class RunResult:
     done: list[Action] = field(default_factory=list)
     failed: list[tuple[Action, str]] = field(default_factory=list)
     blocked: list[Action] = field(default_factory=list)
+    # Another node held the retention lease: nothing was applied by this one.
+    held_by: Holder | None = None
+    at: float = 0.0  # wall time of the run (to show how long the other lease lasts)
+
+    @property
+    def skipped(self) -> str | None:
+        if self.held_by is None:
+            return None
+        return f"the retention lease is held by {self.held_by.describe(self.at)}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"done": [a.as_dict() for a in self.done],
-                "failed": [{**a.as_dict(), "error": e} for a, e in self.failed],
-                "blocked": [a.as_dict() for a in self.blocked]}
+        out: dict[str, Any] = {
+            "done": [a.as_dict() for a in self.done],
+            "failed": [{**a.as_dict(), "error": e} for a, e in self.failed],
+            "blocked": [a.as_dict() for a in self.blocked]}
+        if self.held_by is not None:
+            out["skipped"] = self.skipped
+            out["lease"] = {"holder": self.held_by.node, "expires": self.held_by.expires}
+        return out
 
 
 @dataclass
@@ -412,24 +438,48 @@ class Snapshot:
 
 
 class Retention:
-    """Collects state, plans and applies; one run at a time.
+    """Collects state, plans and applies; one run at a time on this node, and with ``node``
+    one node at a time over the store (the lease, lease.py).
 
     ``fs`` is the filesystem core (``None``: a store without a journal, nothing local); it
     evicts NVMe copies (``Filesystem.evict``) and removes deleted checkpoints from the
     namespace (``unlink``/``rmdir``, as the application would). ``tiers`` maps every tier but
-    ``hot`` to an open ``Tier``.
+    ``hot`` to an open ``Tier``. ``detector`` groups keys into checkpoints (default: the
+    legacy top-level rule with ``step_regex`` if given, else ``checkpoint_pattern``'s
+    default); with ``markers`` a checkpoint is complete only with a commit marker.
+
+    Invariants of applying:
+    - with ``node`` set, nothing but evictions of this node's NVMe copies is applied unless
+      this node holds the unexpired lease in the warm tier; it is taken only when copies,
+      removals or deletions are planned, renewed while applying (each such action starts
+      only while it is valid) and released after the run;
+    - the inventory is the store listing of every tier (``.ckptfs/`` excluded) merged with
+      the journal: checkpoints other nodes wrote are seen, and copied whole;
+    - just before a checkpoint leaves NVMe (eviction, deletion), none of its files may be
+      open; else it is skipped (``InUse``) and retried at the next run.
     """
 
     def __init__(
-        self, policy: Policy, tiers: Mapping[str, Tier], *, step_regex: str,
+        self, policy: Policy, tiers: Mapping[str, Tier], *, step_regex: str | None = None,
+        detector: Detector | None = None, markers: Sequence[str] | None = None,
         fs: Filesystem | None = None, scratch: Path | None = None,
         clock: Callable[[], float] = time.time,
         upload_progress: Callable[[], Mapping[str, float]] | None = None,
-        on_removed: Callable[[str], None] | None = None,
+        on_removed: Callable[[int, str], None] | None = None,
+        node: str | None = None, lease_length: float = 600.0,
     ) -> None:
         self.policy = policy
         self.tiers = dict(tiers)
-        self.step_regex = step_regex
+        if detector is None:
+            detector = Detector.from_pattern(step_regex=step_regex) if step_regex \
+                else DEFAULT_DETECTOR
+        self.detector = detector
+        self.markers = tuple(markers) if markers is not None else None
+        self.node = node
+        self.lease: Lease | None = None
+        if node is not None:
+            warm = next(t.name for t in policy.tiers if t.name != HOT)
+            self.lease = Lease(self.tiers[warm], node, lease_length, wall=clock)
         self.fs = fs
         self.scratch = scratch
         self.clock = clock
@@ -448,7 +498,8 @@ class Retention:
         names: list[str] = []
         if self.fs is not None:
             files, names = journal_files(self.fs.ns)
-        known = {top_level(f.key) for f in files}
+        name_of = self.detector.name_of
+        known = {name_of(f.key) for f in files}
         remote: dict[str, list[RemoteFile]] = {t: [] for t in self.tiers}
         locations: dict[str, list[TierPolicy]] = {}
         for t in self.policy.tiers:
@@ -459,10 +510,12 @@ class Retention:
             for info in infos:
                 if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY:
                     continue
+                if info.key.startswith(CONTROL_PREFIX):
+                    continue  # the nodes' shared state (lease, registrations): not data
                 owner = next((m for m in members if m.storage_class == info.storage_class),
                              members[0])
                 meta = info.meta if info.meta_known else None
-                if meta is None and (top_level(info.key) not in known
+                if meta is None and (name_of(info.key) not in known
                                      or self._is_pointer(info.key)):
                     meta = await self._head(owner.name, info)
                 remote[owner.name].append(RemoteFile(
@@ -470,17 +523,25 @@ class Retention:
                     meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
                     info.storage_class, info.restore_state == "ongoing"))
         progress = dict(self.upload_progress()) if self.upload_progress else {}
-        checkpoints = build(files, remote, step_regex=self.step_regex,
-                            tier_order=self.policy.names, local_entries=names,
-                            progress=progress)
+        checkpoints = build(files, remote, step_regex="", detector=self.detector,
+                            markers=self.markers, tier_order=self.policy.names,
+                            local_entries=names, progress=progress)
         tier_bytes = {t: sum(r.size for r in remote[t]) for t in remote}
         tier_bytes[HOT] = sum(f.size for f in files if f.local)
         return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now)
 
     def _is_pointer(self, key: str) -> bool:
-        from ckptfs.checkpoints import parse_step
+        return self.detector.locate(key)[1] is None
 
-        return parse_step(top_level(key), self.step_regex) is None
+    def _keys_of(self, name: str, keys: Iterable[str]) -> list[str]:
+        """The keys of checkpoint ``name``; commit markers first, so that a removal cut
+        short never leaves a marker beside missing shards (a partial copy that would look
+        complete)."""
+        mine = [k for k in keys if self.detector.name_of(k) == name]
+        return sorted(mine, key=lambda k: (not self._is_marker(k), k))
+
+    def _is_marker(self, key: str) -> bool:
+        return self.markers is not None and is_marker_key(key, self.markers)
 
     async def _head(self, tier: str, info: ObjectInfo) -> ObjectMeta | None:
         cache_key = (tier, info.key, info.size, getattr(info, "etag", None))
@@ -505,23 +566,69 @@ class Retention:
     # -- applying ---------------------------------------------------------------------
 
     async def run_once(self, now: float | None = None) -> RunResult:
-        """Plan and apply until nothing is left to do (copies first, removes the run after)."""
+        """Plan and apply until nothing is left to do (copies first, removes the run after),
+        under the lease when there is one; with another node holding it, nothing is done
+        and ``held_by`` says who."""
         async with self._lock:
-            total = RunResult()
-            for _ in range(MAX_ROUNDS):
-                state = await self.collect(now)
-                actions = plan(state.checkpoints, self.policy, state.now)
-                runnable = [a for a in actions if a.blocked is None]
-                total.blocked = [a for a in actions if a.blocked is not None]
-                if not runnable:
-                    break
-                result = await self.apply(runnable, state)
-                total.done += result.done
-                total.failed += result.failed
-                if not result.done:
-                    break
+            total = RunResult(at=self.clock())
+            if self.lease is not None and not await self._needs_lease(total, now):
+                self.last_run = {"at": self.clock(), **total.as_dict()}
+                return total
+            if self.lease is not None:
+                holder = await self.lease.acquire()
+                if holder is not None:
+                    total.held_by = holder
+                    log.info("retention run skipped: %s", total.skipped)
+                    self.last_run = {"at": self.clock(), **total.as_dict()}
+                    return total
+            error: CkptfsError | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    if self.lease is not None:
+                        nursery.start_soon(self.lease.keep_renewed, nursery.cancel_scope.cancel)
+                    try:
+                        await self._rounds(total, now)
+                    except CkptfsError as exc:
+                        error = exc  # raised below as itself, not in an exception group
+                    nursery.cancel_scope.cancel()
+            finally:
+                if self.lease is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.lease.release()
+            if error is not None:
+                raise error
             self.last_run = {"at": self.clock(), **total.as_dict()}
             return total
+
+    async def _needs_lease(self, total: RunResult, now: float | None) -> bool:
+        """A first round without the lease: evictions only drop this node's NVMe copies
+        (of checkpoints a remote tier holds) and need nobody's leave, so they are applied
+        here; True if anything else (copies, removals, deletions: shared state) is planned.
+        A run with nothing shared to do thus writes nothing to the store."""
+        state = await self.collect(now)
+        actions = plan(state.checkpoints, self.policy, state.now)
+        total.blocked = [a for a in actions if a.blocked is not None]
+        runnable = [a for a in actions if a.blocked is None]
+        local = [a for a in runnable if a.kind == "evict"]
+        if local:
+            result = await self.apply(local, state)
+            total.done += result.done
+            total.failed += result.failed
+        return any(a.kind != "evict" for a in runnable)
+
+    async def _rounds(self, total: RunResult, now: float | None) -> None:
+        for _ in range(MAX_ROUNDS):
+            state = await self.collect(now)
+            actions = plan(state.checkpoints, self.policy, state.now)
+            runnable = [a for a in actions if a.blocked is None]
+            total.blocked = [a for a in actions if a.blocked is not None]
+            if not runnable:
+                break
+            result = await self.apply(runnable, state)
+            total.done += result.done
+            total.failed += result.failed
+            if not result.done:
+                break
 
     async def apply(self, actions: Sequence[Action], state: Snapshot) -> RunResult:
         result = RunResult()
@@ -529,6 +636,10 @@ class Retention:
         rank = {"copy": 0, "remove": 1, "evict": 2, "delete": 3}
         for action in sorted(actions, key=lambda a: rank[a.kind]):
             c = by_name[action.checkpoint]
+            if self.lease is not None and action.kind != "evict" and not self.lease.valid():
+                # Renewals failed for a third of the lease: another node may take it soon.
+                result.failed.append((action, "the retention lease ran out: not started"))
+                continue
             try:
                 if action.kind == "copy":
                     await self._copy(c, action, state)
@@ -555,7 +666,9 @@ class Retention:
         assert action.tier is not None and action.source is not None
         dst = self.tiers[action.tier]
         there = {r.key: r for r in state.remote.get(action.tier, [])}
-        for key, size in c.files:
+        # Every file listed under the checkpoint (any node's), markers last: a copy cut short
+        # never has a marker without its shards.
+        for key, size in sorted(c.files, key=lambda f: (self._is_marker(f[0]), f[0])):
             local = state.local.get(key)
             checksum = local.checksum if local else None
             have = there.get(key)
@@ -586,7 +699,11 @@ class Retention:
         return Path(tempfile.gettempdir())
 
     async def _remove(self, c: Checkpoint, tier: str, state: Snapshot) -> None:
-        keys = [r.key for r in state.remote.get(tier, []) if top_level(r.key) == c.name]
+        # The planner removes only once every tier that must hold the checkpoint holds every
+        # file of it (sizes and checksums compared in this run's listing; copies verified).
+        keys = self._keys_of(c.name, (r.key for r in state.remote.get(tier, [])))
+        if self.policy.tier(tier).location == self._warm().location:
+            await self._retire(c.name)  # it leaves the tier every namespace merges
         for key in keys:
             await self.tiers[tier].delete(key)
         members = [t for t in self.policy.tiers if t.location == self.policy.tier(tier).location]
@@ -594,15 +711,66 @@ class Retention:
             await self._remove_dirs(self.tiers[tier], c.name)
 
     async def _remove_dirs(self, tier: Tier, name: str) -> None:
-        dirs = [i.key for i in await tier.list(name)
-                if top_level(i.key) == name and i.key.endswith("/")]
+        dirs = [i.key for i in await tier.list(name + "/")
+                if i.key.endswith("/") and self.detector.name_of(i.key) == name]
         for key in sorted(dirs, key=lambda k: k.count("/"), reverse=True):
             await tier.delete(key)
         if dirs:
             await tier.delete(name + "/")
 
+    def _warm(self) -> TierPolicy:
+        return next(t for t in self.policy.tiers if t.name != HOT)
+
+    async def _retire(self, name: str) -> None:
+        """Record, before its first object goes from the warm tier, that retention removes
+        checkpoint ``name`` there: the other nodes then drop their local copies of it instead
+        of uploading them again (coordination.py ``RETIRED``, listing.py)."""
+        body = json.dumps({"by": self.node, "at": self.clock()}).encode()
+        await self.tiers[self._warm().name].put_small(retired_key(name), body)
+
+    def _open_file(self, name: str) -> str | None:
+        """A file of checkpoint ``name`` that is open right now (by any handle), if any:
+        checked at apply time, not from the snapshot, so a reader that opened it since is
+        seen."""
+        fs = self.fs
+        if fs is None:
+            return None
+        top = self._lookup(name)
+        if top is None:
+            return None
+        todo = [(top, name)]
+        while todo:
+            row, path = todo.pop()
+            if stat.S_ISDIR(row.mode):
+                for child in fs.ns.children(row.ino, 0):
+                    assert child.name is not None
+                    todo.append((child, path + "/" + os.fsdecode(child.name)))
+            elif fs.is_open(row.ino):
+                return path
+        return None
+
+    def _lookup(self, name: str) -> Row | None:
+        """The namespace row at path ``name`` (relative to the mount), or None."""
+        from ckptfs.errors import NotFound
+
+        assert self.fs is not None
+        row = self.fs.ns.get(ROOT_INODE)
+        for part in name.split("/"):
+            try:
+                row = self.fs.ns.lookup(row.ino, os.fsencode(part))
+            except NotFound:
+                return None
+        return row
+
+    def _check_not_open(self, c: Checkpoint) -> None:
+        path = self._open_file(c.name)
+        if path is not None:
+            raise InUse(f"{path} is open: left for a later run")
+
     def _evict(self, c: Checkpoint, state: Snapshot) -> None:
         assert self.fs is not None
+        self._check_not_open(c)
+        rows = []
         for key, _ in c.files:
             local = state.local.get(key)
             if local is None:
@@ -610,62 +778,88 @@ class Retention:
             row = self._row(local.ino)
             if row.state is State.COMMITTED and row.remote_key is not None \
                     and self.fs.ns.open_count(row.ino) == 0:
-                self.fs.evict(row)
+                rows.append(row)
+        self.fs.evict(*rows)  # one journal sync for the checkpoint, not one per file
 
     async def _delete(self, c: Checkpoint) -> None:
         # The journal first: a crash after this leaves store copies that the next run sees as
         # a checkpoint nobody keeps, and deletes.
         if self.fs is not None:
+            self._check_not_open(c)
             await self._forget(c.name)
+        await self._retire(c.name)
         seen: set[str] = set()
         for t in self.policy.tiers:
             if t.name == HOT or t.location in seen:
                 continue
             seen.add(t.location)
             tier = self.tiers[t.name]
-            infos = [i for i in await tier.list(c.name) if top_level(i.key) == c.name]
-            for info in sorted(infos, key=lambda i: (i.key.endswith("/"), -i.key.count("/"))):
+            infos = [i for i in await tier.list(c.name) if i.key.rstrip("/") == c.name
+                     or (i.key.startswith(c.name + "/")
+                         and self.detector.name_of(i.key) == c.name)]
+            # Markers first (no marker beside missing shards if cut short), then files, then
+            # directories deepest first.
+            for info in sorted(infos, key=lambda i: (not self._is_marker(i.key),
+                                                     i.key.endswith("/"), -i.key.count("/"))):
                 await tier.delete(info.key)
             if any(i.key.endswith("/") for i in infos) or any("/" in i.key for i in infos):
                 await tier.delete(c.name + "/")
 
     async def _forget(self, name: str) -> None:
-        """Remove ``name`` and everything under it from the namespace, as rm -r would."""
+        """Remove ``name`` and everything under it from the namespace, as rm -r would; a
+        file found open on the way stops it (``InUse``: the rest is retried next run)."""
+        from ckptfs.errors import NotEmpty
+
         fs = self.fs
         assert fs is not None
-        from ckptfs.errors import NotFound
-
-        try:
-            top = fs.ns.lookup(ROOT_INODE, os.fsencode(name))
-        except NotFound:
+        top = self._lookup(name)
+        if top is None:
             return
+        parent_path, _, _ = name.rpartition("/")
+        parent_row = self._lookup(parent_path) if parent_path else fs.ns.get(ROOT_INODE)
+        assert parent_row is not None and top.name is not None
+        top_name = os.fsdecode(top.name)  # the row forgets its name once removed
 
         async def remove(parent: int, row: Row) -> None:
             assert row.name is not None
             if stat.S_ISDIR(row.mode):
-                for child in list(fs.ns.children(row.ino, 0)):
-                    await remove(row.ino, child)
-                await fs.rmdir(parent, row.name)
+                for attempt in range(3):
+                    # readdir merges the store's listing: other nodes' shards in it are
+                    # entries here too (rmdir would find them and refuse).
+                    for child in list(await fs.readdir(row.ino, 0)):
+                        await remove(row.ino, child)
+                    try:
+                        await fs.rmdir(parent, row.name)
+                        break
+                    except NotEmpty:
+                        if attempt == 2:
+                            raise
             else:
+                if fs.is_open(row.ino):  # opened while this deletion awaited the store
+                    raise InUse(f"{os.fsdecode(row.name)} in {name} is open: left for later")
                 await fs.unlink(parent, row.name)
 
-        await remove(ROOT_INODE, top)
+        await remove(parent_row.ino, top)
         if self.on_removed is not None:
-            self.on_removed(name)
+            self.on_removed(parent_row.ino, top_name)
 
     # -- set-up -----------------------------------------------------------------------
 
     @classmethod
     async def open(cls, config: Config, *, warm: Tier | None = None,
                    fs: Filesystem | None = None, upload_progress: Callable[[], Mapping[str, float]]
-                   | None = None, on_removed: Callable[[str], None] | None = None) -> Retention:
-        """Retention over ``config``'s tiers, each opened and checked (``warm``: already open).
+                   | None = None, on_removed: Callable[[int, str], None] | None = None,
+                   node: str | None = None) -> Retention:
+        """Retention over ``config``'s tiers, each opened and checked (``warm``: already open);
+        ``node``: this node's id (coordination.py), which applies only under the lease.
 
         A tier that cannot be used is a ``UserError`` naming its key (``tier.2.url``)."""
         tiers = await open_tiers(config, warm)
-        retention = cls(Policy.from_config(config), tiers, step_regex=config.step_regex,
+        retention = cls(Policy.from_config(config), tiers, detector=detector_for(config),
+                        markers=config.commit_markers,
                         fs=fs, scratch=config.staging_dir / "retention-tmp",
-                        upload_progress=upload_progress, on_removed=on_removed)
+                        upload_progress=upload_progress, on_removed=on_removed, node=node,
+                        lease_length=config.retention_lease.total_seconds())
         retention._owned = [t for t in tiers.values() if t is not warm]
         return retention
 
@@ -695,9 +889,17 @@ class Retention:
             except CkptfsError as exc:
                 log.warning("retention run skipped: %s", exc)
                 continue
+            if result.held_by is not None:
+                continue  # another node applies the policy this round (logged)
             for action, error in result.failed:
                 log.warning("retention: %s of %s: %s", action.describe(), action.checkpoint,
                             error)
+
+
+def detector_for(config: Config) -> Detector:
+    """How ``config`` finds checkpoints: the legacy ``step_regex`` if set, else
+    ``checkpoint_pattern``."""
+    return Detector.from_pattern(config.checkpoint_pattern, config.step_regex)
 
 
 async def open_tiers(config: Config, warm: Tier | None = None) -> dict[str, Tier]:

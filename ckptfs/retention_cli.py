@@ -77,7 +77,10 @@ async def _offline(config: Config, apply: bool) -> dict[str, Any]:
             staging.prepare()  # the lock: no daemon may mount it while we change it
         journal = Journal(config.staging_dir / JOURNAL_NAME)
         fs = Filesystem(journal, staging, unlink_remote=config.unlink == "posix")
-    retention = await Retention.open(config, fs=fs)
+    # Applying from here is one more node applying the policy: under the lease too, as the
+    # staging directory's node (or a one-off id when there is no staging directory).
+    node = _node_id(config) if apply else None
+    retention = await Retention.open(config, fs=fs, node=node)
     try:
         done = (await retention.run_once()).as_dict() if apply else {}
         return {**done, **await retention.report()}
@@ -89,6 +92,17 @@ async def _offline(config: Config, apply: bool) -> dict[str, Any]:
             journal.close()
         if staging is not None:
             staging.close()
+
+
+def _node_id(config: Config) -> str:
+    import os
+    import socket
+
+    from ckptfs.coordination import NODE_ID_FILE, node_id
+
+    if config.node_id or (config.staging_dir / NODE_ID_FILE).exists():
+        return node_id(config.staging_dir, config.node_id)
+    return f"{socket.gethostname() or 'node'}-cli-{os.getpid()}"
 
 
 # -- rendering ---------------------------------------------------------------------------
@@ -156,6 +170,13 @@ def print_ls_tiers(report: dict[str, Any]) -> None:
 
 
 def print_retention(report: dict[str, Any], applied: bool) -> None:
+    if applied and report.get("skipped"):
+        for a in report.get("done", []):  # evictions of this node's NVMe copies need no lease
+            print(f"done     {a['checkpoint']}: {a['text']}")
+        print(f"skipped: {report['skipped']}: copies, removals and deletions are left to it")
+        for a in report["plan"]:
+            print(f"pending  {a['checkpoint']}: {a['text']}")
+        return
     if applied:
         for a in report.get("done", []):
             print(f"done     {a['checkpoint']}: {a['text']}")
@@ -189,6 +210,8 @@ def run_retention(mountpoint: Path | None, config_file: Path | None, apply: bool
         print(json.dumps(report, indent=2, sort_keys=True))
         return
     print_retention(report, apply)
+    if apply and report.get("skipped"):
+        raise UserError(f"retention not applied: {report['skipped']}", exit_code=1)
     if apply and report.get("failed"):
         raise UserError(f"{len(report['failed'])} retention actions failed "
                         f"(after {time.monotonic() - started:.0f}s); they are retried at the "

@@ -13,7 +13,10 @@ sequence order and reconcile them:
 Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
 - Items are numbered when queued. A commit marker (``.metadata``, ``latest``, ...) starts only
   when every item with a smaller number has finished, so a reader of the store that sees a
-  marker finds everything closed before it. A marker queued again is numbered again.
+  marker finds everything closed before it. A marker queued again is numbered again. Moves
+  obey the same rule (a marker's new key is its target): when a directory moves, and when
+  the journal is replayed after a restart, markers are queued after every other item, so
+  they reach their new keys after the files they stand for, at any depth.
 - Nothing else waits for anything: an old directory whose children are not deleted yet, or a
   file whose key is still a directory on a file tier, fails and is retried (waiting would
   deadlock: the directory's deletion could be waiting for that very file).
@@ -147,9 +150,20 @@ class Uploader:
         self._queue(("ino", ino))
 
     def tree_moved(self, inos: list[int]) -> None:
-        """A directory moved: reconcile it and its descendants (moves, then old-key deletions)."""
+        """A directory moved: reconcile it and its descendants (moves, then old-key deletions).
+
+        Commit markers anywhere in the tree are queued after every other entry of it, so they
+        carry larger numbers and (by ``_pick``'s rule) move only once everything else of the
+        tree, at any depth, is at its new key: a ``.metadata`` at depth 1 after the
+        ``model/shard_*`` at depth 2, though ``inos`` lists the shallow entries first."""
+        rows: list[Row] = []
         for ino in inos:
-            self._queue(("ino", ino))
+            try:
+                rows.append(self.ns.get(ino))
+            except NotFound:
+                continue  # removed meanwhile: its tombstone covers any remote copy
+        for row in self._markers_last(rows):
+            self._queue(("ino", row.ino))
 
     def tombstone_added(self, tomb_id: int, key: str) -> None:
         self._queue(("tomb", tomb_id))
@@ -261,7 +275,10 @@ class Uploader:
             self.journal.update(row)
         for _, key in self.journal.tombstones():
             self._interrupted_keys.add(key)  # an unlinked file's upload may have been cut short
-        for row in self.journal.unreconciled():
+        rows = self.journal.unreconciled()
+        # Markers last (larger numbers), whatever the journal's order: a marker renamed or
+        # closed before the crash must still reach the store after the files it stands for.
+        for row in self._markers_last(rows):
             self._queue(("ino", row.ino))
             # Any of these may have been written (or copied to) when the crash came: leftovers
             # of an interrupted put or copy at its key are ours to clean up.
@@ -312,6 +329,12 @@ class Uploader:
             work.target = target
             return work, wake_at
         return None, wake_at
+
+    def _markers_last(self, rows: list[Row]) -> list[Row]:
+        """``rows`` in their order, but every commit marker after every other entry."""
+        def marker(row: Row) -> bool:  # by name, as _pick judges (a `latest` symlink too)
+            return is_marker(os.fsdecode(row.name or b""), self.markers)
+        return [r for r in rows if not marker(r)] + [r for r in rows if marker(r)]
 
     def _names_marker(self, key: WorkKey) -> bool:
         if key[0] != "ino":

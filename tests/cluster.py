@@ -72,7 +72,7 @@ def make_tier(store: str, wrap: Tier | None = None) -> FaultyTier:
 
 async def run_node(
     root: Path, store: str, *, poll: float = 1.0, idle_poll: float = 10.0,
-    tier: FaultyTier | None = None, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+    tier: FaultyTier | None = None, node: str | None = None, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """A node, started with ``nursery.start``: it runs until ``stop()`` or ``kill()``."""
     tier = tier or make_tier(store)
@@ -87,7 +87,7 @@ async def run_node(
                             markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size)
         fs.listener = uploader
         uploader.requeue_from_journal()
-        coordinator = Coordinator(tier, node_id(root), uploader, poll=poll, idle_poll=idle_poll)
+        coordinator = Coordinator(tier, node_id(root, node), uploader, poll=poll, idle_poll=idle_poll)
         uploader.coordinator = coordinator
         await coordinator.register()
         with trio.CancelScope() as scope:

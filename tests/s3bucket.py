@@ -9,6 +9,7 @@ from typing import Any
 
 import crc32c
 
+from ckptfs.tiers.base import CONTROL_PREFIX
 from tests.mounting import tiers_config
 from tests.s3server import S3Server
 
@@ -48,7 +49,9 @@ class Bucket:
         for page in client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.name, Prefix=PREFIX):
             for obj in page.get("Contents", []):
-                out[obj["Key"][len(PREFIX):]] = int(obj["Size"])
+                key = obj["Key"][len(PREFIX):]
+                if not key.startswith(CONTROL_PREFIX):  # the nodes' shared state
+                    out[key] = int(obj["Size"])
         return out
 
     def get(self, key: str, client: Any = None) -> tuple[bytes, dict[str, str], str]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, is_mounted, wait_dead, wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.slow]
@@ -301,10 +302,13 @@ def check_tree(m: Mount, exp: Expected) -> None:
 
 
 def store_tree(store: Path) -> tuple[set[str], set[str]]:
-    """(regular files, symlinks) under ``store``, relative to it."""
+    """(regular files, symlinks) under ``store``, relative to it (the nodes' shared state
+    under ``.ckptfs/`` aside)."""
     files: set[str] = set()
     links: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(store):
+        if dirpath == str(store):
+            dirnames[:] = [d for d in dirnames if d != CONTROL_PREFIX.rstrip("/")]
         for name in dirnames + filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), store)
             if os.path.islink(store / rel):

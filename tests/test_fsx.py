@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 
+from ckptfs.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs
 
 pytestmark = pytest.mark.mount
@@ -287,6 +288,8 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
             entries = list(it)
         for entry in entries:
             rel = os.path.join(rel_dir, entry.name) if rel_dir else entry.name
+            if rel + "/" == CONTROL_PREFIX:
+                continue  # the nodes' shared state in a store, not part of the tree
             st = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 out[rel] = ("d", stat.S_IMODE(st.st_mode), _xattrs(entry.path))

@@ -53,6 +53,8 @@ def save_checkpoints(m: Mount) -> dict[int, Any]:
         (m.path / f"step_{step}").mkdir()
         torch.save(state, m.path / f"step_{step}" / "model.pt")
         torch.save({"lr": 0.1}, m.path / f"step_{step}" / "optim.pt")
+        # The commit marker: without one a checkpoint is never complete (docs/RETENTION.md).
+        (m.path / f"step_{step}" / "COMMITTED").write_text("")
         (m.path / "latest").write_text(str(step))
         saved[step] = state
     return saved
@@ -68,7 +70,8 @@ def snapshot(m: Mount, store: Path) -> tuple[dict[str, str], dict[str, int]]:
     for d in sorted(m.path.iterdir()):
         for f in sorted(d.iterdir()) if d.is_dir() else [d]:
             states[str(f.relative_to(m.path))] = m.state(str(f.relative_to(m.path)))
-    files = {str(p.relative_to(store)): p.stat().st_size for p in store.rglob("*") if p.is_file()}
+    files = {str(p.relative_to(store)): p.stat().st_size for p in store.rglob("*")
+             if p.is_file() and not str(p.relative_to(store)).startswith(".ckptfs/")}
     return states, files
 
 
@@ -161,6 +164,7 @@ def test_retention_runs_by_itself_after_commits(mounter: Mounter, tmp_path: Path
     for step in STEPS[:4]:
         (m.path / f"step_{step}").mkdir()
         torch.save({"step": step}, m.path / f"step_{step}" / "model.pt")
+        (m.path / f"step_{step}" / "COMMITTED").write_text("")
     ckptfs("sync", m.path)
     deadline = time.monotonic() + 60
     while store_checkpoints(store) != {"step_300", "step_400"}:

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptfs.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, status
 from tests.s3bucket import PREFIX, Bucket
 
@@ -51,6 +52,7 @@ class StoreLog(logging.Handler):
         """GETs of object bodies (listings are GETs of the bucket itself, not counted)."""
         return sum(1 for method, key, _ in self.requests
                    if method == "GET" and key.startswith(PREFIX) and key != PREFIX
+                   and not key.startswith(PREFIX + CONTROL_PREFIX)  # nodes' polls
                    and key_part in key)
 
 

@@ -148,7 +148,8 @@ def histories(draw: st.DrawFn, policy: Policy) -> list[Checkpoint]:
                     partial.add(m)
         if draw(st.booleans()):
             held.add(HOT)
-        busy = draw(st.sampled_from([None] * 6 + ["writing", "uploading", "incomplete"]))
+        busy = draw(st.sampled_from([None] * 6 + ["writing", "uploading", "incomplete",
+                                                  "no marker"]))
         hour = i * draw(st.sampled_from([1, 6, 24])) + draw(st.integers(0, 3))
         cps.append(Checkpoint(
             name=f"step_{step}", step=step, time=T0 + hour * 3600.0, size=10,

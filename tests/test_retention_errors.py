@@ -41,6 +41,8 @@ def policy(tmp_path: Path, keep: str = "{ last = 3 }", top: str = "", extra: str
     ("{ milestones = [0.0] }", "total_steps = 100", ["tier.1.keep.milestones", "0.0"]),
     ("{ last = 2 }", "total_steps = -5", ["total_steps", "greater than or equal to 1"]),
     ("{ last = 2 }", "step_regex = \"step\"", ["step_regex", "capturing group"]),
+    ("{ last = 2 }", "checkpoint_pattern = 'step(\\d+)'", ["checkpoint_pattern", "named group"]),
+    ("{ last = 2 }", "retention_lease = \"2s\"", ["retention_lease", "at least 3s"]),
     ("3", "", ["tier.1.keep"]),
 ])
 @pytest.mark.parametrize("command", [["retention", "--plan"], ["ls-tiers"]])

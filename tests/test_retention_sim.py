@@ -23,7 +23,7 @@ from ckptfs.config import DEFAULT_COMMIT_MARKERS, Config
 from ckptfs.errors import NotFound
 from ckptfs.fs import ROOT_CALLER, Filesystem
 from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.retention import Policy, Retention
+from ckptfs.retention import Policy, Retention, detector_for
 from ckptfs.staging import Staging
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier
@@ -123,7 +123,8 @@ async def simulate(tmp_path: Path, config: Config, tiers: dict[str, Tier]) -> Fi
     uploader = Uploader(journal, fs.ns, staging, tiers["warm"], concurrency=4,
                         markers=DEFAULT_COMMIT_MARKERS)
     fs.listener = uploader
-    retention = Retention(Policy.from_config(config), tiers, step_regex=config.step_regex,
+    retention = Retention(Policy.from_config(config), tiers, detector=detector_for(config),
+                          markers=config.commit_markers,
                           fs=fs, scratch=staging.root / "tmp")
     async with trio.open_nursery() as nursery:
         await nursery.start(uploader.run)
@@ -163,7 +164,10 @@ def local_state(fs: Filesystem) -> tuple[set[str], set[str]]:
 
 
 def checkpoints_of(keys: list[str]) -> set[str]:
-    return {k.split("/")[0] for k in keys if k != "latest" and not k.endswith("/")}
+    """Checkpoint names of store keys (not the nodes' shared state under .ckptfs/, such as
+    the retirement records of deleted checkpoints)."""
+    return {k.split("/")[0] for k in keys
+            if k != "latest" and not k.endswith("/") and not k.startswith(".ckptfs/")}
 
 
 def check_report(report: dict[str, Any], expected: dict[str, set[str]]) -> None:

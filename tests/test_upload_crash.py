@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import pytest
 
+from ckptfs.tiers.base import CONTROL_PREFIX
 from tests.mounting import (
     Mount,
     Mounter,
@@ -96,7 +97,9 @@ class S3Store:
         for page in self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=PREFIX + "/"):
             for obj in page.get("Contents", []):
-                out[obj["Key"][len(PREFIX) + 1:]] = int(obj["Size"])
+                key = obj["Key"][len(PREFIX) + 1:]
+                if not key.startswith(CONTROL_PREFIX):  # the nodes' shared state
+                    out[key] = int(obj["Size"])
         return out
 
     def files(self) -> dict[str, int]:
@@ -155,6 +158,8 @@ class FileStore:
 
     def _walk(self) -> Iterator[tuple[str, bool]]:
         for dirpath, dirnames, filenames in os.walk(self.root):
+            if dirpath == str(self.root):  # the nodes' shared state aside
+                dirnames[:] = [d for d in dirnames if d + "/" != CONTROL_PREFIX]
             for name in dirnames:
                 yield os.path.relpath(os.path.join(dirpath, name), self.root), True
             for name in filenames:

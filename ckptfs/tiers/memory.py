@@ -89,7 +89,7 @@ class MemoryTier(Tier):
         await trio.lowlevel.checkpoint()
         return [
             ObjectInfo(k, len(o.body), o.meta, etag=o.tag)
-            for k, o in sorted(self.objects.items()) if k.startswith(prefix)
+            for k, o in sorted((k, o) for k, o in self.objects.items() if k.startswith(prefix))
         ]
 
     async def copy(self, src: str, dst: str) -> None:
