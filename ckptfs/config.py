@@ -42,6 +42,8 @@ DEFAULT_COMMIT_MARKERS = (
     "latest_checkpointed_iteration.txt",
     "*.done",
     "COMMITTED",
+    "_CHECKPOINT_METADATA",  # Orbax: written by the primary host once every host finished
+    "commit_success.txt",  # Orbax on object stores
 )
 STORAGE_CLASSES = frozenset(
     {"STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR", "GLACIER",
