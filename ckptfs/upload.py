@@ -184,7 +184,14 @@ class Uploader:
     def _queue(self, key: WorkKey) -> None:
         work = self._pending.get(key)
         if work is None:
-            self._pending[key] = Work(key, self._number())
+            running = self._inflight.get(key)
+            if running is not None and not self._names_marker(key):
+                # Queued again while in flight (a chmod, a rename, a cancelled upload): it
+                # keeps its first number, so markers closed after it, here or on another
+                # node (an acknowledged barrier notes numbers), still wait for it.
+                self._pending[key] = Work(key, running.seq)
+            else:
+                self._pending[key] = Work(key, self._number())
         elif self._names_marker(key):
             # A marker queued again is re-numbered so that it waits for whatever was queued
             # since: a rewritten `latest` must follow its new checkpoint. Other items keep
@@ -409,8 +416,11 @@ class Uploader:
         log.warning("%s %s failed (attempt %d, retry in %.1fs): %s",
                     "upload of" if work.key[0] == "ino" else "deletion of",
                     work.target or work.key, work.attempts, delay, work.error)
-        if work.key not in self._pending:
+        queued = self._pending.get(work.key)
+        if queued is None:
             self._pending[work.key] = work
+        elif not self._names_marker(work.key):
+            queued.seq = min(queued.seq, work.seq)  # the first number stands (see _queue)
 
     # -- reconciling one item ---------------------------------------------------------------
 

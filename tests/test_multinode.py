@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 from ckptfs.coordination import ACKS, BARRIERS, NODES
+from ckptfs.journal import ROOT_INODE
 from ckptfs.tiers.memory import store_named
 from tests.cluster import make_tier, run_node
 
@@ -122,5 +123,31 @@ async def test_markers_of_two_nodes_do_not_wait_for_each_other(
             await a.uploader.wait_idle()
             await b.uploader.wait_idle()
         assert {"run_a/COMMITTED", "run_b/COMMITTED"} <= keys(store)
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_file_changed_while_uploading_is_still_waited_for(
+    tmp_path: Path, store: str, clock: trio.abc.Clock
+) -> None:
+    """A chmod (shutil.copystat, rsync -a) cancels B's upload in flight and queues the file
+    again: it keeps its place, so the barrier B saw still waits for it."""
+    slow = make_tier(store)
+    slow.bandwidth = 1000
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(lambda task_status: run_node(
+            tmp_path / "b", store, tier=slow, task_status=task_status))
+        await b.write("ckpt/shard_b", b"x" * 48 * 1024)  # uploading for 48 s
+        await a.write("ckpt/.metadata", b"meta")
+        await trio.sleep(3)
+        assert a.coordinator.waiting_for == [b.name]
+        ckpt = (await b.fs.lookup(ROOT_INODE, b"ckpt")).ino
+        await b.fs.setattr((await b.fs.lookup(ckpt, b"shard_b")).ino, mode=0o444)
+        await trio.sleep(10)
+        assert "ckpt/.metadata" not in keys(store)
+        slow.bandwidth = None
+        await wait_for_key(store, "ckpt/.metadata")
+        assert store_named(store)["ckpt/shard_b"].meta.mode == 0o444
         await a.stop()
         await b.stop()
