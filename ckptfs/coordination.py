@@ -52,7 +52,13 @@ from typing import Any, Protocol
 import trio
 
 from ckptfs.errors import StoreUnavailable
-from ckptfs.tiers.base import CONTROL_PREFIX, ObjectMissing, Tier, TierError
+from ckptfs.tiers.base import (
+    CONTROL_PREFIX,
+    ObjectMissing,
+    PreconditionFailed,
+    Tier,
+    TierError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,7 @@ def retired_paths(key: str) -> list[str]:
     parts = key.strip("/").split("/")
     return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 NODE_ID_FILE = "node-id"
+NODE_TOKEN_FILE = "node-token"
 RECENT = 60.0  # seconds after a barrier or upload during which a node polls at the fast rate
 BACKOFF_MAX = 30.0
 
@@ -90,6 +97,29 @@ class Queue(Protocol):
     def current_seq(self) -> int: ...
     def data_outstanding(self, upto_seq: int) -> bool: ...
     def released(self) -> None: ...
+
+
+class DuplicateNode(Exception):
+    """Another staging directory is registered under this node id."""
+
+
+def node_token(staging_root: Path) -> str:
+    """A random token made once per staging directory: two staging directories that claim
+    the same node id (a shared ``node_id`` setting, a cloned disk) are told apart by it."""
+    path = staging_root / NODE_TOKEN_FILE
+    try:
+        found = path.read_text().strip()
+        if found:
+            return found
+    except FileNotFoundError:
+        pass
+    made = secrets.token_hex(16)
+    tmp = path.with_name(NODE_TOKEN_FILE + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
+    os.replace(tmp, path)
+    return made
 
 
 def node_id(staging_root: Path, configured: str | None = None) -> str:
@@ -137,9 +167,12 @@ class Coordinator:
     def __init__(
         self, tier: Tier, node: str, queue: Queue, *, poll: float = 1.0,
         idle_poll: float = 10.0, clock: Callable[[], float] = trio.current_time,
+        token: str | None = None,
     ) -> None:
         self.tier = tier
         self.node = node
+        self.token = token or secrets.token_hex(16)
+        self._posted: tuple[str, int, bool] | None = None  # barrier name, upto, announced
         self.queue = queue
         self.poll = poll
         self.idle_poll = max(idle_poll, poll)
@@ -180,9 +213,38 @@ class Coordinator:
     # -- registration -----------------------------------------------------------------------
 
     async def register(self) -> None:
-        body = json.dumps({"node": self.node, "host": socket.gethostname(),
-                           "pid": os.getpid(), "since": time.time()}).encode()
-        await self._request("put", self.tier.put_small, NODES + self.node, body)
+        """Register, or register again after a restart of this staging directory (the same
+        token). Raises ``DuplicateNode`` if another staging directory holds this id: the two
+        would not wait for each other."""
+        body = json.dumps({"node": self.node, "token": self.token,
+                           "host": socket.gethostname(), "pid": os.getpid(),
+                           "since": time.time()}).encode()
+        key = NODES + self.node
+        while True:
+            try:
+                await self._request("put", self.tier.put_small, key, body, if_absent=True)
+                break
+            except PreconditionFailed:
+                pass
+            try:
+                old, tag = await self._request("get", self.tier.get_small, key)
+            except ObjectMissing:
+                continue  # it left meanwhile
+            try:
+                theirs = json.loads(old)
+            except ValueError:
+                theirs = {}
+            if theirs.get("token") != self.token:
+                raise DuplicateNode(
+                    f"node id {self.node!r} is registered by another staging directory (host "
+                    f"{theirs.get('host', '?')}, pid {theirs.get('pid', '?')}): give each node "
+                    f"its own node_id, or if that node is gone for good, run 'ckptfs nodes "
+                    f"--forget {self.node}' on a live node")
+            try:
+                await self._request("put", self.tier.put_small, key, body, if_tag=tag)
+                break
+            except PreconditionFailed:
+                continue
         self.registered = True
 
     async def deregister(self) -> None:
@@ -223,7 +285,12 @@ class Coordinator:
         except ObjectMissing:
             log.warning("this node (%s) was forgotten by another node: registering again",
                         self.node)
-            await self.register()
+            try:
+                await self.register()
+            except DuplicateNode as exc:
+                self.registered = False
+                self.error = str(exc)
+                log.error("%s", exc)
 
     async def nodes(self) -> set[str]:
         """The registered nodes."""
@@ -246,10 +313,14 @@ class Coordinator:
 
     async def _retrying(self, loop: Callable[[], Any]) -> None:
         failures = 0
+        last_failure = -math.inf
         while True:
             try:
                 await loop()
             except (StoreUnavailable, TierError, ObjectMissing, OSError) as exc:
+                if self._clock() - last_failure > 2 * BACKOFF_MAX:
+                    failures = 0  # an outage long over: start the backoff again
+                last_failure = self._clock()
                 failures += 1
                 self.error = f"{type(exc).__name__}: {exc}"
                 delay = min(BACKOFF_MAX, self.poll * 2 ** min(failures, 10))
@@ -269,20 +340,30 @@ class Coordinator:
             await self._cleanup(f"{self.node}/{number}")
 
     async def _post_barriers(self) -> None:
+        """Post a barrier for the markers wanted, wait for every node's ack, release them.
+        A store error anywhere retries from where it was (``_posted``): a barrier once put is
+        waited for, not replaced by a new one that would orphan it."""
         while True:
-            while self._wanted <= self._released:
-                await self._kick.wait()
-            upto = max(self.queue.current_seq(), self._wanted)
-            others = await self.nodes() - {self.node}
-            if not others:
-                self._release(upto)
-                continue
-            name = f"{self.node}/{next(self._numbers)}"
-            body = json.dumps({"node": self.node, "upto": upto, "at": time.time()}).encode()
-            await self._request("put", self.tier.put_small, BARRIERS + name, body)
-            await self._request("put", self.tier.put_small, EPOCH, name.encode())
-            self.barrier = name
-            self.stats.barriers_posted += 1
+            if self._posted is None:
+                while self._wanted <= self._released:
+                    await self._kick.wait()
+                upto = max(self.queue.current_seq(), self._wanted)
+                others = await self.nodes() - {self.node}
+                if not others:
+                    self._release(upto)
+                    continue
+                # Unique even if the wall clock steps back or an id is reused: a repeated name
+                # could meet leftover acks, or leave the epoch's tag unchanged.
+                name = f"{self.node}/{next(self._numbers)}-{secrets.token_hex(3)}"
+                body = json.dumps({"node": self.node, "upto": upto, "at": time.time()}).encode()
+                await self._request("put", self.tier.put_small, BARRIERS + name, body)
+                self._posted = (name, upto, False)
+                self.barrier = name
+                self.stats.barriers_posted += 1
+            name, upto, announced = self._posted
+            if not announced:
+                await self._request("put", self.tier.put_small, EPOCH, name.encode())
+                self._posted = (name, upto, True)
             self.activity()
             while True:
                 others = await self.nodes() - {self.node}
@@ -292,6 +373,7 @@ class Coordinator:
                     break
                 await trio.sleep(self.poll)
             self.error = None
+            self._posted = None
             self._release(upto)
             await self._cleanup(name)
 
@@ -355,9 +437,9 @@ class Coordinator:
                 with trio.move_on_after(self.idle_poll):
                     await self._active.wait()
 
-    async def _request(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _request(self, kind: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         self.stats.requests[kind] = self.stats.requests.get(kind, 0) + 1
-        return await fn(*args)
+        return await fn(*args, **kw)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -23,11 +23,11 @@ import trio
 from ckptfs import __version__
 from ckptfs.config import Config
 from ckptfs.control import ControlServer
-from ckptfs.coordination import Coordinator, node_id
+from ckptfs.coordination import Coordinator, DuplicateNode, node_id, node_token
 from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
-from ckptfs.journal import ROOT_INODE, Journal
+from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.mountinfo import check_mountpoint, find
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
@@ -101,7 +101,6 @@ async def serve(
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     _owner_only(staging.root, JOURNAL_NAME)
-    retention: Retention | None = None
     try:
         fs = Filesystem(
             journal, staging, unlink_remote=config.unlink == "posix",
@@ -120,7 +119,8 @@ async def serve(
         coordinator = Coordinator(
             tier, node_id(staging.root, config.node_id), uploader,
             poll=config.node_poll_interval.total_seconds(),
-            idle_poll=config.node_idle_poll_interval.total_seconds())
+            idle_poll=config.node_idle_poll_interval.total_seconds(),
+            token=node_token(staging.root))
         uploader.coordinator = coordinator
         # Before the first request: a node that closes files must be known to the others
         # before any of them can miss it (coordination.py).
@@ -128,6 +128,31 @@ async def serve(
             await coordinator.register()
         except (TierError, StoreUnavailable) as exc:
             raise UserError(f"cannot register this node in {tier.url}: {exc}") from None
+        except DuplicateNode as exc:
+            raise UserError(str(exc)) from None
+        try:
+            await _serve_registered(config, mountpoint, staging, journal, tier, fs, uploader,
+                                    coordinator, on_ready)
+        except BaseException:
+            # Failed before or while serving: leave only if nothing at all is left to upload
+            # (the in-flight items are gone from the queue by now: ask the journal too).
+            with trio.CancelScope(shield=True):
+                await _leave(coordinator, _nothing_left(uploader, journal))
+            raise
+    finally:
+        journal.close()
+        staging.close()
+        with trio.CancelScope(shield=True):
+            await tier.aclose()
+
+
+async def _serve_registered(
+    config: Config, mountpoint: Path, staging: Staging, journal: Journal, tier: Tier,
+    fs: Filesystem, uploader: Uploader, coordinator: Coordinator, on_ready: Callable[[], None],
+) -> None:
+    """Serve the mount of a registered node until it is unmounted."""
+    retention: Retention | None = None
+    try:
         control = ControlServer(fs, uploader, mountpoint, config.warm.url or "", config)
         # One node at a time applies the policy: under the lease, as this node's id.
         retention = await Retention.open(
@@ -182,24 +207,29 @@ async def serve(
                 fs.close()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)
+            # Before the cancellation reaches the workers (it drops their items).
+            idle = not uploader.outstanding()
             # Uploads still in flight stop here; the journal requeues them at the next mount.
             nursery.cancel_scope.cancel()
-            await _leave(coordinator, uploader)
+            await _leave(coordinator, idle)
     finally:
-        journal.close()
-        staging.close()
-        with trio.CancelScope(shield=True):
-            if retention is not None:
+        if retention is not None:
+            with trio.CancelScope(shield=True):
                 await retention.aclose()
-            await tier.aclose()
 
 
-async def _leave(coordinator: Coordinator, uploader: Uploader) -> None:
+def _nothing_left(uploader: Uploader, journal: Journal) -> bool:
+    return not (uploader.outstanding() or journal.rows_in_states(State.STAGED, State.UPLOADING)
+                or journal.tombstones())
+
+
+async def _leave(coordinator: Coordinator, idle: bool) -> None:
     """After a clean unmount with nothing left to upload, this node no longer holds anything
     the others' markers need: it deregisters. Otherwise it stays, and they wait for it."""
-    if uploader.outstanding() or not coordinator.registered:
-        log.info("node %s stays registered: %d items are left to upload", coordinator.node,
-                 len(uploader.outstanding()))
+    if not coordinator.registered:
+        return
+    if not idle:
+        log.info("node %s stays registered: files are left to upload", coordinator.node)
         return
     with trio.move_on_after(10, shield=True):
         try:

@@ -14,7 +14,7 @@ import trio
 
 from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.coordination import Coordinator, node_id
+from ckptfs.coordination import Coordinator, node_id, node_token
 from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
 from ckptfs.journal import ROOT_INODE, Journal
 from ckptfs.staging import Staging
@@ -87,7 +87,8 @@ async def run_node(
                             markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size)
         fs.listener = uploader
         uploader.requeue_from_journal()
-        coordinator = Coordinator(tier, node_id(root, node), uploader, poll=poll, idle_poll=idle_poll)
+        coordinator = Coordinator(tier, node_id(root, node), uploader, poll=poll,
+                                  idle_poll=idle_poll, token=node_token(root))
         uploader.coordinator = coordinator
         await coordinator.register()
         with trio.CancelScope() as scope:
@@ -100,8 +101,9 @@ async def run_node(
                             trio.Event(), stopped)
                 task_status.started(node)
                 await node.stop_requested.wait()
+                idle = not uploader.outstanding()  # as mount.py: before the cancellation
                 nursery.cancel_scope.cancel()
-        if not scope.cancel_called and not uploader.outstanding():
+        if not scope.cancel_called and idle:
             await coordinator.deregister()
     finally:
         fs.close()

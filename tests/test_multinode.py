@@ -7,13 +7,14 @@ and the memory tier read on the trio thread (the clock would jump while a thread
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
-from ckptfs.coordination import ACKS, BARRIERS, NODES
+from ckptfs.coordination import ACKS, BARRIERS, NODES, DuplicateNode
 from ckptfs.journal import ROOT_INODE
 from ckptfs.tiers.memory import store_named
 from tests.cluster import make_tier, run_node
@@ -151,3 +152,42 @@ async def test_a_file_changed_while_uploading_is_still_waited_for(
         assert store_named(store)["ckpt/shard_b"].meta.mode == 0o444
         await a.stop()
         await b.stop()
+
+
+async def test_a_store_error_while_waiting_for_acks_does_not_orphan_the_barrier(
+    tmp_path: Path, store: str, clock: trio.abc.Clock
+) -> None:
+    a_tier, b_tier = make_tier(store), make_tier(store)
+    b_tier.bandwidth = 4096
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(lambda task_status: run_node(
+            tmp_path / "a", store, tier=a_tier, task_status=task_status))
+        b = await nursery.start(lambda task_status: run_node(
+            tmp_path / "b", store, tier=b_tier, task_status=task_status))
+        for i in range(3):
+            await b.write(f"s{i}/shard", b"x" * 40_000)  # ~10 s to upload
+            await a.write(f"s{i}/.metadata", b"m")
+            await trio.sleep(1.5)
+            a_tier.fail_next = 1  # one store error while A waits for B's ack
+            await wait_for_key(store, f"s{i}/.metadata")
+            assert f"s{i}/shard" in keys(store)
+        await trio.sleep(10)
+        assert a.coordinator.stats.barriers_posted == 3
+        assert not [k for k in keys(store) if k.startswith((BARRIERS, ACKS))]
+        await a.stop()
+        await b.stop()
+
+
+async def test_two_staging_directories_cannot_share_a_node_id(
+    tmp_path: Path, store: str, clock: trio.abc.Clock
+) -> None:
+    """They would not wait for each other: the second is refused (a restart of the first,
+    over its own staging directory, is not)."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store, node="trainer"))
+        with pytest.raises(DuplicateNode, match="trainer"):
+            await run_node(tmp_path / "b", store, node="trainer")
+        a.kill()
+        await a.stopped.wait()
+        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store, node="trainer"))
+        await a.stop()

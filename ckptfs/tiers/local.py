@@ -327,6 +327,8 @@ class FileTier(Tier):
                     for entry in sorted(entries, key=lambda e: e.name):
                         if TMP_MARK in entry.name:
                             continue
+                        if not (rel_dir + entry.name + "/").startswith(prefix):
+                            continue  # no stat of what cannot match (a directory's key ends in /)
                         try:
                             info = _info(dir_fd, entry.name, rel_dir + entry.name)
                         except FileNotFoundError:
