@@ -119,6 +119,7 @@ class ChangeListener(Protocol):
     """What stage 2 (upload.py) needs to hear from the core. Calls must not block."""
 
     def inode_changed(self, ino: int) -> None: ...
+    def closed(self, ino: int) -> None: ...
     def tree_moved(self, inos: list[int]) -> None: ...
     def tombstone_added(self, tomb_id: int, key: str) -> None: ...
     def cancel(self, ino: int) -> None: ...
@@ -130,6 +131,9 @@ class ChangeListener(Protocol):
 
 class _NoListener:
     def inode_changed(self, ino: int) -> None:
+        pass
+
+    def closed(self, ino: int) -> None:
         pass
 
     def tree_moved(self, inos: list[int]) -> None:
@@ -720,6 +724,7 @@ class Filesystem:
         if row.closed_at is not None and row.state is State.OPEN:
             row.closed_at = None  # written after a close(2) of another descriptor: still open
             self.ns.persist(row)
+            self.listener.cancel(row.ino)  # its place in the upload order is given up
         growth = offset + len(data) - row.size
         if growth > 0 and not self.space.try_take(growth):
             await self._reserve(growth)
@@ -954,6 +959,10 @@ class Filesystem:
         if handle.writable and self._writers.get(handle.ino) == 1 and row.state is State.OPEN:
             row.closed_at = time.time()
             self.ns.persist(row)
+            # close(2) returns now; RELEASE (which stages the file) may come later. The file
+            # takes its place in the upload order here, so that a marker closed after this
+            # returns, on any node, waits for it.
+            self.listener.closed(row.ino)
         elif self.ns.is_dirty(handle.ino):
             self.ns.persist(row)
 

@@ -131,6 +131,8 @@ class Uploader:
         self._clock = clock
         self._seq = itertools.count(1)
         self._last_number = 0
+        # Files whose last writer's close(2) returned, not yet released: their number.
+        self._closing: dict[int, int] = {}
         self._pending: dict[WorkKey, Work] = {}
         self._inflight: dict[WorkKey, Work] = {}
         # Wake-ups: waiters take the current event, check the state, then wait on it; a change
@@ -148,6 +150,13 @@ class Uploader:
     def inode_changed(self, ino: int) -> None:
         """``ino`` (a file closed, a directory made, a file renamed...) needs reconciling."""
         self._queue(("ino", ino))
+
+    def closed(self, ino: int) -> None:
+        """The last writer's close(2) of ``ino`` returned (FLUSH); RELEASE, which queues it,
+        may come later. It is numbered now: barriers acknowledged meanwhile wait for it."""
+        if ino not in self._closing:
+            self._closing[ino] = self._number()
+            self._wake()
 
     def tree_moved(self, inos: list[int]) -> None:
         """A directory moved: reconcile it and its descendants (moves, then old-key deletions).
@@ -177,11 +186,13 @@ class Uploader:
 
     def cancel(self, ino: int) -> None:
         """The file is being rewritten or removed: stop working on its old version."""
+        self._closing.pop(ino, None)  # written again or removed: not closed after all
         work = self._inflight.get(("ino", ino))
         if work is not None and work.cancel is not None:
             work.cancel.cancel()
 
     def _queue(self, key: WorkKey) -> None:
+        reserved = self._reserved(key)
         work = self._pending.get(key)
         if work is None:
             running = self._inflight.get(key)
@@ -189,19 +200,32 @@ class Uploader:
                 # Queued again while in flight (a chmod, a rename, a cancelled upload): it
                 # keeps its first number, so markers closed after it, here or on another
                 # node (an acknowledged barrier notes numbers), still wait for it.
-                self._pending[key] = Work(key, running.seq)
+                self._pending[key] = Work(key, min(running.seq, reserved or running.seq))
             else:
-                self._pending[key] = Work(key, self._number())
+                self._pending[key] = Work(key, reserved or self._number())
         elif self._names_marker(key):
             # A marker queued again is re-numbered so that it waits for whatever was queued
             # since: a rewritten `latest` must follow its new checkpoint. Other items keep
             # their first number, so markers queued since still wait for them.
-            work.seq = self._number()
+            work.seq = reserved or self._number()
+        elif reserved:
+            work.seq = min(work.seq, reserved)
         work = self._pending[key]
         work.not_before = 0.0
         if self.coordinator is not None:
             self.coordinator.activity()
         self._wake()
+
+    def _reserved(self, key: WorkKey) -> int | None:
+        """The number a file took at its close(2), once it is really closed (released)."""
+        if key[0] != "ino" or key[1] not in self._closing:
+            return None
+        try:
+            if self.ns.get(key[1]).state is State.OPEN:
+                return None  # queued for another reason (a rename) before its RELEASE
+        except NotFound:
+            pass
+        return self._closing.pop(key[1])
 
     def _number(self) -> int:
         self._last_number = next(self._seq)
@@ -220,8 +244,9 @@ class Uploader:
     def data_outstanding(self, upto_seq: int) -> bool:
         """Whether a file or directory item numbered ``upto_seq`` or less is not done yet
         (markers and deletions of old copies aside)."""
-        return any(w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
-                   for w in (*self._pending.values(), *self._inflight.values()))
+        return any(seq <= upto_seq for seq in self._closing.values()) or any(
+            w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
+            for w in (*self._pending.values(), *self._inflight.values()))
 
     def held_markers(self) -> list[str]:
         """Markers waiting for other nodes (``status``)."""
@@ -313,8 +338,8 @@ class Uploader:
     def _pick(self, now: float) -> tuple[Work | None, float]:
         """The next eligible item (smallest number first) and when to look again."""
         busy_targets = {w.target for w in self._inflight.values() if w.target}
-        floor = min([w.seq for w in (*self._pending.values(), *self._inflight.values())],
-                    default=math.inf)
+        floor = min([w.seq for w in (*self._pending.values(), *self._inflight.values())]
+                    + list(self._closing.values()), default=math.inf)
         wake_at = math.inf
         for work in sorted(self._pending.values(), key=lambda w: w.seq):
             if work.key in self._inflight:

@@ -8,6 +8,7 @@ and the memory tier read on the trio thread (the clock would jump while a thread
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import trio
 import trio.testing
 
 from ckptfs.coordination import ACKS, BARRIERS, NODES, DuplicateNode
+from ckptfs.fs import ROOT_CALLER
 from ckptfs.journal import ROOT_INODE
 from ckptfs.tiers.memory import store_named
 from tests.cluster import make_tier, run_node
@@ -191,3 +193,26 @@ async def test_two_staging_directories_cannot_share_a_node_id(
         await a.stopped.wait()
         a = await nursery.start(functools.partial(run_node, tmp_path / "a", store, node="trainer"))
         await a.stop()
+
+
+async def test_a_file_whose_close_returned_is_waited_for_before_its_release(
+    tmp_path: Path, store: str, clock: trio.abc.Clock
+) -> None:
+    """close(2) returns after FLUSH; the kernel sends RELEASE later. A marker closed in
+    between, on another node, still waits for the file."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(run_node, tmp_path / "b", store)
+        ckpt = b.fs.mkdir(ROOT_INODE, b"ckpt", 0o755, ROOT_CALLER).ino
+        fh, _ = b.fs.create(ckpt, b"shard_b", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+        await b.fs.write(fh, 0, b"y" * 4096)
+        b.fs.flush(fh)  # close(2) returned: the job's barrier, then rank 0's marker on A
+        await a.write("ckpt/.metadata", b"meta")
+        await trio.sleep(30)
+        assert "ckpt/.metadata" not in keys(store)
+        assert a.coordinator.waiting_for == [b.name]
+        b.fs.release(fh)
+        await wait_for_key(store, "ckpt/.metadata")
+        assert "ckpt/shard_b" in keys(store)
+        await a.stop()
+        await b.stop()
