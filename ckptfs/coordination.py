@@ -5,8 +5,11 @@ before it, on ANY node mounting the same store prefix, is committed (docs/SEMANT
 The nodes coordinate through the store alone, with small objects under ``.ckptfs/``
 (tiers/base.py ``CONTROL_PREFIX``); no server, no clocks compared:
 
-- **Registration.** At mount, before the first request is served, a node puts
-  ``.ckptfs/nodes/<node id>``. A clean unmount with nothing left to upload deletes it. A node
+- **Registration.** At mount, before the first request is served, a node creates
+  ``.ckptfs/nodes/<node id>`` (create-if-absent) holding a token kept in its staging
+  directory: the same token is a restart of the same node; another one is a second staging
+  directory claiming the id, refused (``DuplicateNode``), since the two would not wait for
+  each other. A clean unmount with nothing left to upload deletes it. A node
   that was killed stays registered: markers wait for it until it comes back (the same staging
   directory is the same node id) and has uploaded what it had, or until an operator removes
   it (``ckptfs nodes forget``).
@@ -19,8 +22,9 @@ The nodes coordinate through the store alone, with small objects under ``.ckptfs
   queued, waits until every data item (not markers, not deletions) numbered so far is done,
   and puts ``.ckptfs/acks/<A>/<n>/<itself>``.
 
-Why this is enough: a file that node B closed before A's marker was closed is in B's queue
-at close time (close queues synchronously). A posts the barrier after the marker was closed,
+Why this is enough: a file that node B closed before A's marker was closed is numbered in B's
+queue when its close(2) returns (upload.py ``closed``, at FLUSH, before the kernel's RELEASE)
+and keeps that number if it is queued again. A posts the barrier after the marker was closed,
 and B notes its queue only after it saw the barrier, so the number it notes covers the file;
 B acks only once the file is committed. A node that registers after A listed the nodes mounted
 after the marker was closed, so nothing it closes is "before" it.
