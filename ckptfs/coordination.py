@@ -34,7 +34,8 @@ markers): two nodes each holding a marker would otherwise wait for each other fo
 
 Store requests per node: one GET of the epoch per poll (``node_poll_interval`` while there is
 work or a recent barrier, ``node_idle_poll_interval`` when idle); per barrier, one LIST of the
-barriers and one PUT of the ack on every other node, and on the poster one PUT of the barrier,
+barriers, one GET of its own registration (a forgotten live node registers again) and one PUT
+of the ack on every other node, and on the poster one PUT of the barrier,
 one of the epoch, a LIST of nodes and of acks per poll until done, and the clean-up DELETEs.
 """
 
@@ -107,41 +108,17 @@ class DuplicateNode(Exception):
     """Another staging directory is registered under this node id."""
 
 
-def node_token(staging_root: Path) -> str:
-    """A random token made once per staging directory: two staging directories that claim
-    the same node id (a shared ``node_id`` setting, a cloned disk) are told apart by it."""
-    path = staging_root / NODE_TOKEN_FILE
+def _kept(path: Path, make: Callable[[], str]) -> str:
+    """The value kept in ``path`` in the staging directory, made and written (0600, like
+    every file there: others may traverse it, staging.py) the first time."""
     try:
         found = path.read_text().strip()
         if found:
             return found
     except FileNotFoundError:
         pass
-    made = secrets.token_hex(16)
-    tmp = path.with_name(NODE_TOKEN_FILE + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(made + "\n")
-    os.replace(tmp, path)
-    return made
-
-
-def node_id(staging_root: Path, configured: str | None = None) -> str:
-    """This node's id: configured, or made once per staging directory and kept in it, so that a
-    restart (which finds the same journal) is the same node."""
-    if configured:
-        return configured
-    path = staging_root / NODE_ID_FILE
-    try:
-        found = path.read_text().strip()
-        if found:
-            return found
-    except FileNotFoundError:
-        pass
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
-    made = f"{host or 'node'}-{secrets.token_hex(4)}"
-    tmp = path.with_name(NODE_ID_FILE + ".tmp")
-    # 0600 like every file of the staging directory (which others may traverse: staging.py).
+    made = make()
+    tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, (made + "\n").encode())
@@ -149,6 +126,22 @@ def node_id(staging_root: Path, configured: str | None = None) -> str:
         os.close(fd)
     os.replace(tmp, path)
     return made
+
+
+def node_token(staging_root: Path) -> str:
+    """A random token made once per staging directory: two staging directories that claim
+    the same node id (a shared ``node_id`` setting, a cloned disk) are told apart by it."""
+    return _kept(staging_root / NODE_TOKEN_FILE, lambda: secrets.token_hex(16))
+
+
+def node_id(staging_root: Path, configured: str | None = None) -> str:
+    """This node's id: configured, or made once per staging directory and kept in it, so that a
+    restart (which finds the same journal) is the same node."""
+    if configured:
+        return configured
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    return _kept(staging_root / NODE_ID_FILE,
+                 lambda: f"{host or 'node'}-{secrets.token_hex(4)}")
 
 
 @dataclass

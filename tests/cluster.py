@@ -39,21 +39,7 @@ class Node:
     stopped: trio.Event
 
     async def write(self, path: str, data: bytes) -> None:
-        parent = ROOT_INODE
-        parts = path.split("/")
-        for part in parts[:-1]:
-            try:
-                parent = (await self.fs.lookup(parent, part.encode())).ino
-            except errors.NotFound:
-                try:
-                    parent = self.fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
-                except errors.AlreadyExists:  # another writer of this node made it meanwhile
-                    parent = (await self.fs.lookup(parent, part.encode())).ino
-        fh, _ = self.fs.create(parent, parts[-1].encode(), 0o644, os.O_WRONLY | os.O_CREAT,
-                               ROOT_CALLER)
-        await self.fs.write(fh, 0, data)
-        self.fs.flush(fh)
-        self.fs.release(fh)
+        await write_file(self.fs, path, data)
 
     def kill(self) -> None:
         """SIGKILL: every task stops where it is; the journal keeps what it recorded, the
@@ -64,6 +50,26 @@ class Node:
         """A clean unmount (uploads in flight stop; it deregisters if nothing is left)."""
         self.stop_requested.set()
         await self.stopped.wait()
+
+
+async def write_file(fs: Filesystem, path: str, data: bytes, mode: int = 0o644) -> int:
+    """Create ``path`` (and its directories) on the core, write ``data``, close it as close(2)
+    does (FLUSH, then RELEASE); returns its inode."""
+    parent = ROOT_INODE
+    parts = path.split("/")
+    for part in parts[:-1]:
+        try:
+            parent = (await fs.lookup(parent, part.encode())).ino
+        except errors.NotFound:
+            try:
+                parent = fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
+            except errors.AlreadyExists:  # another writer of this node made it meanwhile
+                parent = (await fs.lookup(parent, part.encode())).ino
+    fh, row = fs.create(parent, parts[-1].encode(), mode, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    await fs.write(fh, 0, data)
+    fs.flush(fh)
+    fs.release(fh)
+    return row.ino
 
 
 def make_tier(store: str, wrap: Tier | None = None) -> FaultyTier:

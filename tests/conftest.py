@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,3 +54,19 @@ def bucket(s3_server: S3Server, mounter: Mounter) -> Iterator[Bucket]:
     # server may be down)
     with contextlib.suppress(Exception):
         b.empty()
+
+
+@pytest.fixture
+def open_base() -> Iterator[Path]:
+    """A base directory every user can traverse (pytest's tmp_path is 0700), for mounts that
+    another uid uses (tests switch users with setpriv)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts as root and switches to another uid")
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    base = Path(tempfile.mkdtemp(prefix="ckptfs-open-"))
+    os.chmod(base, 0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

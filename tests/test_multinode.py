@@ -51,8 +51,8 @@ async def test_a_marker_waits_for_a_shard_another_node_closed_before_it(
     slow.bandwidth = 2_000  # B's 200 kB shard takes 100 s to upload
     async with trio.open_nursery() as nursery:
         a = await nursery.start(run_node, tmp_path / "a", store)
-        b = await nursery.start(lambda task_status: run_node(
-            tmp_path / "b", store, tier=slow, task_status=task_status))
+        b = await nursery.start(functools.partial(
+            run_node, tmp_path / "b", store, tier=slow))
         await b.write("step_1/__1_0.distcp", b"b" * 200_000)
         await a.write("step_1/__0_0.distcp", b"a" * 1000)
         await a.write("step_1/.metadata", b"meta")  # rank 0, after DCP's barrier
@@ -77,8 +77,8 @@ async def test_a_killed_node_keeps_the_marker_out_until_it_restarts(
     slow.bandwidth = 2_000
     async with trio.open_nursery() as nursery:
         a = await nursery.start(run_node, tmp_path / "a", store)
-        b = await nursery.start(lambda task_status: run_node(
-            tmp_path / "b", store, tier=slow, task_status=task_status))
+        b = await nursery.start(functools.partial(
+            run_node, tmp_path / "b", store, tier=slow))
         b_name = b.name
         await b.write("step_1/__1_0.distcp", b"b" * 200_000)
         await a.write("step_1/.metadata", b"meta")
@@ -139,8 +139,8 @@ async def test_a_file_changed_while_uploading_is_still_waited_for(
     slow.bandwidth = 1000
     async with trio.open_nursery() as nursery:
         a = await nursery.start(run_node, tmp_path / "a", store)
-        b = await nursery.start(lambda task_status: run_node(
-            tmp_path / "b", store, tier=slow, task_status=task_status))
+        b = await nursery.start(functools.partial(
+            run_node, tmp_path / "b", store, tier=slow))
         await b.write("ckpt/shard_b", b"x" * 48 * 1024)  # uploading for 48 s
         await a.write("ckpt/.metadata", b"meta")
         await trio.sleep(3)
@@ -162,10 +162,10 @@ async def test_a_store_error_while_waiting_for_acks_does_not_orphan_the_barrier(
     a_tier, b_tier = make_tier(store), make_tier(store)
     b_tier.bandwidth = 4096
     async with trio.open_nursery() as nursery:
-        a = await nursery.start(lambda task_status: run_node(
-            tmp_path / "a", store, tier=a_tier, task_status=task_status))
-        b = await nursery.start(lambda task_status: run_node(
-            tmp_path / "b", store, tier=b_tier, task_status=task_status))
+        a = await nursery.start(functools.partial(
+            run_node, tmp_path / "a", store, tier=a_tier))
+        b = await nursery.start(functools.partial(
+            run_node, tmp_path / "b", store, tier=b_tier))
         for i in range(3):
             await b.write(f"s{i}/shard", b"x" * 40_000)  # ~10 s to upload
             await a.write(f"s{i}/.metadata", b"m")

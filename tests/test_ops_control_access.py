@@ -23,7 +23,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,21 +39,6 @@ pytestmark = [pytest.mark.mount, pytest.mark.timeout(300)]
 SETPRIV = shutil.which("setpriv")
 UNSHARE = shutil.which("unshare")
 GROUP = 4242  # the mount root's group in these tests: any gid works, it need not be named
-
-
-@pytest.fixture
-def open_base() -> Iterator[Path]:
-    """A base directory every user can traverse (pytest's tmp_path is 0700)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: mounts as root and switches to another uid")
-    if SETPRIV is None:
-        pytest.skip("setpriv (util-linux) is not installed")
-    base = Path(tempfile.mkdtemp(prefix="ckptfs-ctl-"))
-    os.chmod(base, 0o755)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

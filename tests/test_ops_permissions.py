@@ -12,7 +12,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,21 +22,6 @@ from tests.mounting import Mounter, mounter_in
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
 SETPRIV = shutil.which("setpriv")
-
-
-@pytest.fixture
-def open_base() -> Iterator[Path]:
-    """A base directory every user can traverse (pytest's tmp_path is 0700)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: mounts as root and switches to another uid")
-    if SETPRIV is None:
-        pytest.skip("setpriv (util-linux) is not installed")
-    base = Path(tempfile.mkdtemp(prefix="ckptfs-perm-"))
-    os.chmod(base, 0o755)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from ckptfs.staging import Staging
 from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier, _Object, store_named
+from tests.cluster import write_file
 
 BLOCK = 256 * 1024
 TTL = 5.0
@@ -47,19 +48,7 @@ class Node:
         return row
 
     async def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
-        parent = ROOT_INODE
-        parts = path.split("/")
-        for part in parts[:-1]:
-            try:
-                parent = (await self.fs.lookup(parent, part.encode())).ino
-            except errors.NotFound:
-                parent = self.fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
-        fh, row = self.fs.create(parent, parts[-1].encode(), mode, os.O_WRONLY | os.O_CREAT,
-                                 ROOT_CALLER)
-        await self.fs.write(fh, 0, data)
-        self.fs.flush(fh)
-        self.fs.release(fh)
-        return row.ino
+        return await write_file(self.fs, path, data, mode)
 
     async def read(self, path: str, offset: int = 0, size: int = 1 << 40) -> bytes:
         fh = await self.fs.open((await self.resolve(path)).ino, os.O_RDONLY)
