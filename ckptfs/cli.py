@@ -446,6 +446,10 @@ def status(
                 waiting = ", ".join(node["waiting_for"]) or "the barrier to be posted"
                 table.add_row("markers held", f"{', '.join(node['held_markers'])}: waiting for "
                               f"{waiting}")
+            hold = node.get("hold")
+            if hold:
+                held = ", ".join(hold.get("barriers") or []) or "none yet"
+                table.add_row("holding", f"{hold['reason']}\nbarriers held: {held}")
             if node["error"]:
                 table.add_row("coordination", node["error"])
         console.print(table)
@@ -455,7 +459,8 @@ def status(
 def nodes(
     mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mount.")] = Path("."),
     forget: Annotated[str | None, typer.Option(
-        help="Remove this dead node's registration: markers stop waiting for its uploads.",
+        help="Remove this dead node's registration: markers stop waiting for its uploads. "
+        "Also ends the hold of a node back from a power loss (its own id on that node).",
         show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
@@ -475,6 +480,8 @@ def nodes(
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
         note = "this node" if n.get("self") else (
             "a marker waits for it" if n.get("waited_for") else "")
+        if n.get("hold"):
+            note = (note + "; " if note else "") + "holding barriers (see its 'ckptfs status')"
         table.add_row(n["node"], str(n.get("host", "?")), str(n.get("pid", "?")), when, note)
     Console().print(table)
     if reply.get("held_markers"):

@@ -229,8 +229,12 @@ class ControlServer:
         try:
             if forget:
                 await coordinator.forget(str(forget))
-                log.warning("node %s forgotten on request: markers no longer wait for it",
-                            forget)
+                if forget == coordinator.node:
+                    log.warning("hold ended on request: this node acknowledges barriers again, "
+                                "without what it lost")
+                else:
+                    log.warning("node %s forgotten on request: markers no longer wait for it",
+                                forget)
             return {"node": coordinator.node, "nodes": await coordinator.describe(),
                     "held_markers": self.uploader.held_markers()}
         except ValueError as exc:

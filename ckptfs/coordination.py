@@ -29,6 +29,15 @@ and B notes its queue only after it saw the barrier, so the number it notes cove
 B acks only once the file is committed. A node that registers after A listed the nodes mounted
 after the marker was closed, so nothing it closes is "before" it.
 
+**Hold.** A node that restarts after an unclean stop AND a reboot (noderun.py: its page cache
+was lost, so files whose close(2) had returned may be gone, their journal rows rolled back or
+their data short) cannot know what it closed before a barrier: it acknowledges NO barrier of
+another node while it holds, stays registered (a clean unmount does not deregister it) and
+says why in its registration, ``status`` and ``ckptfs nodes``. The hold ends only by an
+operator's decision: ``ckptfs nodes --forget ID`` on another node (this node then finds its
+registration gone, clears the hold and registers again; markers held for it went out without
+what it lost), or ``--forget`` of its own id on this node (it clears the hold and acks).
+
 Markers do not wait for other nodes' markers (an ack does not wait for the node's own
 markers): two nodes each holding a marker would otherwise wait for each other forever.
 
@@ -57,6 +66,7 @@ from typing import Any, Protocol
 import trio
 
 from ckptfs.errors import StoreUnavailable
+from ckptfs.noderun import Hold, NodeRun
 from ckptfs.tiers.base import (
     CONTROL_PREFIX,
     ObjectMissing,
@@ -164,7 +174,7 @@ class Coordinator:
     def __init__(
         self, tier: Tier, node: str, queue: Queue, *, poll: float = 1.0,
         idle_poll: float = 10.0, clock: Callable[[], float] = trio.current_time,
-        token: str | None = None,
+        token: str | None = None, run: NodeRun | None = None,
     ) -> None:
         self.tier = tier
         self.node = node
@@ -185,6 +195,12 @@ class Coordinator:
         self.error: str | None = None
         self.stats = CoordinationStats()
         self.registered = False
+        self.run_record = run  # this run's record (noderun.py): the hold, if any
+        self.held_barriers: list[str] = []  # barriers seen and not acked because of the hold
+
+    @property
+    def hold(self) -> Hold | None:
+        return None if self.run_record is None else self.run_record.hold
 
     # -- the uploader's side ----------------------------------------------------------------
 
@@ -213,9 +229,12 @@ class Coordinator:
         """Register, or register again after a restart of this staging directory (the same
         token). Raises ``DuplicateNode`` if another staging directory holds this id: the two
         would not wait for each other."""
-        body = json.dumps({"node": self.node, "token": self.token,
-                           "host": socket.gethostname(), "pid": os.getpid(),
-                           "since": time.time()}).encode()
+        record: dict[str, Any] = {"node": self.node, "token": self.token,
+                                  "host": socket.gethostname(), "pid": os.getpid(),
+                                  "since": time.time()}
+        if self.hold is not None:
+            record["hold"] = self.hold.reason  # other nodes' 'ckptfs nodes' say why
+        body = json.dumps(record).encode()
         key = NODES + self.node
         while True:
             try:
@@ -245,6 +264,11 @@ class Coordinator:
         self.registered = True
 
     async def deregister(self) -> None:
+        if self.hold is not None:
+            # Leaving would let every marker waiting for it go out: the operator decides.
+            log.warning("node %s stays registered: it holds barriers (%s)", self.node,
+                        self.hold.reason)
+            return
         await self._request("delete", self.tier.delete, NODES + self.node)
         self.registered = False
 
@@ -271,6 +295,13 @@ class Coordinator:
         that is gone for good (its uploads would no longer be waited for); a live node that
         is forgotten registers again when it next sees a barrier."""
         if name == self.node:
+            if self.run_record is not None and self.hold is not None:
+                # The operator's decision, taken on this node: what it lost is given up.
+                self.run_record.clear_hold(f"'ckptfs nodes --forget {name}' on this node")
+                self.held_barriers = []
+                await self.register()  # the registration no longer says it holds
+                self.activity()  # the ack loop polls now, not after an idle sleep
+                return
             raise ValueError("a node cannot forget itself (unmount it instead)")
         if name not in await self.nodes():
             raise ValueError(f"no node {name!r} is registered")
@@ -282,6 +313,10 @@ class Coordinator:
         except ObjectMissing:
             log.warning("this node (%s) was forgotten by another node: registering again",
                         self.node)
+            if self.run_record is not None and self.hold is not None:
+                # Markers held for it went out without what it lost: the hold is over.
+                self.run_record.clear_hold("forgotten by another node")
+                self.held_barriers = []
             try:
                 await self.register()
             except DuplicateNode as exc:
@@ -404,8 +439,11 @@ class Coordinator:
                 _, tag = await self._request("get", self.tier.get_small, EPOCH)
             except ObjectMissing:
                 tag = ""
+            if self.hold is not None:
+                # Each poll: an operator's 'forget' on another node ends the hold.
+                await self._still_registered()
             if tag != epoch or first:
-                if not first:
+                if not first and self.hold is None:
                     await self._still_registered()
                 first = False
                 listed = {n for n in await self._names(BARRIERS)
@@ -417,7 +455,10 @@ class Coordinator:
                 for name in set(seen) - listed:
                     del seen[name]  # withdrawn (its node restarted, or it was forgotten)
                 epoch = tag
+            self.held_barriers = sorted(seen) if self.hold is not None else []
             for name, barrier in list(seen.items()):
+                if self.hold is not None:
+                    break  # it cannot know what it closed before them (noderun.py)
                 if not self.queue.data_outstanding(barrier.upto):
                     await self._request("put", self.tier.put_small,
                                         f"{ACKS}{name}/{self.node}", b"")
@@ -426,7 +467,7 @@ class Coordinator:
                     self.stats.barriers_acked += 1
             self.error = None
             recent = self._clock() - self._last_activity < RECENT
-            if seen or recent:
+            if (seen or recent) and self.hold is None:
                 await trio.sleep(self.poll)
             else:
                 # Idle: a local write (a save starting here, so likely everywhere) ends the
@@ -445,5 +486,7 @@ class Coordinator:
             "barrier": self.barrier,
             "waiting_for": list(self.waiting_for),
             "error": self.error,
+            "hold": None if self.hold is None else {
+                **self.hold.as_dict(), "barriers": list(self.held_barriers)},
             "requests": dict(self.stats.requests),
         }

@@ -1,7 +1,10 @@
 """Composition root: config -> staging -> journal -> filesystem -> FUSE, in one trio nursery.
 
 Shutdown order (reverse of start-up, each step in a ``finally``): stop serving FUSE requests,
-unmount, persist what is dirty, close the journal, release the staging lock.
+unmount, persist what is dirty, close the journal, record the clean stop (noderun.py: after a
+sync of the staging filesystem), release the staging lock. The run record is started after
+the journal's replay and before the node registers: a node that must hold barriers says so
+in its registration.
 
 A mount is *ready* when the kernel has accepted it; ``serve`` calls ``on_ready`` at that point
 (the CLI uses it to let a background ``ckptfs mount`` return, systemd gets READY=1).
@@ -29,6 +32,7 @@ from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.mountinfo import check_mountpoint, find
+from ckptfs.noderun import NodeRun, boot_id
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
@@ -101,6 +105,7 @@ async def serve(
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     _owner_only(staging.root, JOURNAL_NAME)
+    run: NodeRun | None = None
     try:
         fs = Filesystem(
             journal, staging, unlink_remote=config.unlink == "posix",
@@ -116,11 +121,15 @@ async def serve(
                             concurrency=config.upload_concurrency, markers=config.commit_markers)
         fs.listener = uploader
         uploader.requeue_from_journal()
+        node = node_id(staging.root, config.node_id)
+        run = NodeRun(staging.root, boot_id())
+        run.start(node, incomplete=len(
+            [r for r in journal.rows_in_states(State.OPEN) if r.incomplete]))
         coordinator = Coordinator(
-            tier, node_id(staging.root, config.node_id), uploader,
+            tier, node, uploader,
             poll=config.node_poll_interval.total_seconds(),
             idle_poll=config.node_idle_poll_interval.total_seconds(),
-            token=node_token(staging.root))
+            token=node_token(staging.root), run=run)
         uploader.coordinator = coordinator
         # Before the first request: a node that closes files must be known to the others
         # before any of them can miss it (coordination.py).
@@ -141,8 +150,13 @@ async def serve(
             raise
     finally:
         journal.close()
-        staging.close()
         with trio.CancelScope(shield=True):
+            if run is not None:
+                try:
+                    await trio.to_thread.run_sync(run.stop_clean)
+                except OSError as exc:  # the next start then counts this stop as unclean
+                    log.warning("could not record the clean stop in %s: %s", staging.root, exc)
+            staging.close()
             await tier.aclose()
 
 

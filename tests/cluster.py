@@ -7,6 +7,7 @@ journal is what a SIGKILL leaves) and restarted over the same staging directory.
 from __future__ import annotations
 
 import os
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.coordination import Coordinator, node_id, node_token
 from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
-from ckptfs.journal import ROOT_INODE, Journal
+from ckptfs.journal import ROOT_INODE, Journal, State
+from ckptfs.noderun import NodeRun
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import Tier
 from ckptfs.tiers.faulty import FaultyTier
@@ -78,23 +80,31 @@ def make_tier(store: str, wrap: Tier | None = None) -> FaultyTier:
 
 async def run_node(
     root: Path, store: str, *, poll: float = 1.0, idle_poll: float = 10.0,
-    tier: FaultyTier | None = None, node: str | None = None, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+    tier: FaultyTier | None = None, node: str | None = None, boot: str | None = "boot-1",
+    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A node, started with ``nursery.start``: it runs until ``stop()`` or ``kill()``."""
+    """A node, started with ``nursery.start``: it runs until ``stop()`` or ``kill()``.
+    ``boot`` stands for the machine's boot id (noderun.py): a power loss is a kill, the
+    journal rolled back (``power_loss``) and a restart with another ``boot``."""
     tier = tier or make_tier(store)
     staging = Staging(root)
     staging.prepare()
     journal = Journal(root / "journal.db")
     fs = Filesystem(journal, staging, tier=tier, read=SETTINGS)
     stopped = trio.Event()
+    run = NodeRun(root, boot)
+    scope: trio.CancelScope | None = None
     try:
         fs.start()
         uploader = Uploader(journal, fs.ns, staging, tier, concurrency=2,
                             markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size)
         fs.listener = uploader
         uploader.requeue_from_journal()
-        coordinator = Coordinator(tier, node_id(root, node), uploader, poll=poll,
-                                  idle_poll=idle_poll, token=node_token(root))
+        name = node_id(root, node)
+        run.start(name, incomplete=len(
+            [r for r in journal.rows_in_states(State.OPEN) if r.incomplete]))
+        coordinator = Coordinator(tier, name, uploader, poll=poll,
+                                  idle_poll=idle_poll, token=node_token(root), run=run)
         uploader.coordinator = coordinator
         await coordinator.register()
         with trio.CancelScope() as scope:
@@ -112,7 +122,36 @@ async def run_node(
         if not scope.cancel_called and idle:
             await coordinator.deregister()
     finally:
+        killed = scope is not None and scope.cancel_called
         fs.close()
         journal.close()
+        if not killed:
+            run.stop_clean()  # a kill leaves the record as a SIGKILL does: unclean
         staging.close()
         stopped.set()
+
+
+def durable_point(root: Path) -> Path:
+    """What a power loss at this moment would leave of a node's journal (its last durable
+    point): a consistent copy of it, made with SQLite's backup API beside the live one."""
+    copy = root / "journal.durable"
+    src = sqlite3.connect(root / "journal.db")
+    dst = sqlite3.connect(copy)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    return copy
+
+
+def power_loss(root: Path, durable: Path, lost_data: tuple[int, ...] = ()) -> None:
+    """After ``Node.kill()``: the journal rolled back to ``durable`` (its WAL lost) and the
+    data files of ``lost_data`` (inodes) emptied, as the page cache held them."""
+    for suffix in ("-wal", "-shm"):
+        (root / ("journal.db" + suffix)).unlink(missing_ok=True)
+    os.replace(durable, root / "journal.db")
+    for ino in lost_data:
+        path = root / "data" / str(ino)
+        if path.exists():
+            os.truncate(path, 0)

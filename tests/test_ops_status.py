@@ -156,6 +156,6 @@ def test_staging_directory_0711_and_journal_0600(tmp_path: Path, mounter: Mounte
     journal_files = list(staging.glob("journal.db*"))
     assert journal_files
     for path in journal_files + [staging / "daemon.log", staging / "lock",
-                                 staging / "node-id"]:
+                                 staging / "node-id", staging / "node-run"]:
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
     assert stat.S_IMODE((staging / "control.sock").stat().st_mode) == 0o666

@@ -1,0 +1,176 @@
+"""A node that comes back from a power loss holds other nodes' barriers (noderun.py,
+coordination.py; docs/SEMANTICS.md, "Many nodes, one checkpoint"; issue 15 item 5).
+
+A power loss is simulated on the rig of tests/cluster.py: the node is killed (nothing
+deregistered, its run record left unclean), its journal rolled back to a copy taken earlier
+(its WAL lost) and its data files emptied, then it restarts with another boot id.
+Deterministic: the autojump clock stands for time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from ckptfs.coordination import NODES
+from ckptfs.fs import ROOT_CALLER
+from ckptfs.journal import ROOT_INODE
+from ckptfs.noderun import HOLD_FILE, RUN_FILE, NodeRun
+from ckptfs.tiers.memory import store_named
+from tests.cluster import Node, durable_point, make_tier, power_loss, run_node
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    name = f"powerloss-{request.node.name}-{id(tmp_path)}"
+    store_named(name).clear()
+    return name
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def keys(store: str) -> set[str]:
+    return set(store_named(store))
+
+
+async def wait_for(predicate: object, timeout: float = 600) -> None:
+    assert callable(predicate)
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.1)
+
+
+async def _shard_closed_then_lost(
+    nursery: trio.Nursery, tmp_path: Path, store: str, *, row_lost: bool,
+) -> tuple[Node, Node, int]:
+    """B closes its shard, A's marker posts a barrier B sees, B loses power before its upload
+    and restarts on a new boot. ``row_lost``: the journal lost the shard's row altogether
+    (created after the last durable point), else only its close (it comes back incomplete).
+    Returns A, the restarted B and the shard's inode."""
+    slow = make_tier(store)
+    slow.bandwidth = 100  # B's shard never gets out before the power loss
+    a = await nursery.start(run_node, tmp_path / "a", store)
+    b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, tier=slow))
+    if row_lost:
+        durable = durable_point(tmp_path / "b")
+    ckpt = b.fs.mkdir(ROOT_INODE, b"step_1", 0o755, ROOT_CALLER).ino
+    fh, row = b.fs.create(ckpt, b"__1_0.distcp", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    await b.fs.write(fh, 0, b"b" * 50_000)
+    if not row_lost:
+        durable = durable_point(tmp_path / "b")  # the close below never became durable
+    b.fs.flush(fh)
+    b.fs.release(fh)
+    await a.write("step_1/__0_0.distcp", b"a" * 1000)
+    await a.write("step_1/.metadata", b"meta")  # rank 0, after the job's barrier
+    await wait_for(lambda: a.coordinator.waiting_for == [b.name])
+    await trio.sleep(5)  # B has seen the barrier and waits for its shard's upload
+    b.kill()
+    await b.stopped.wait()
+    power_loss(tmp_path / "b", durable, lost_data=(row.ino,))
+    b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, boot="boot-2"))
+    return a, b, row.ino
+
+
+@pytest.mark.parametrize("row_lost", [False, True], ids=["close-lost", "row-lost"])
+async def test_a_node_back_from_a_power_loss_holds_the_marker_until_an_operator_decides(
+    tmp_path: Path, store: str, clock: trio.abc.Clock, row_lost: bool
+) -> None:
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await _shard_closed_then_lost(nursery, tmp_path, store, row_lost=row_lost)
+        await trio.sleep(3600)
+        # Without the hold B acked at once (nothing queued) and the marker went out torn.
+        assert "step_1/.metadata" not in keys(store)
+        assert "step_1/__1_0.distcp" not in keys(store)
+        assert a.coordinator.waiting_for == [b.name]
+        status = b.coordinator.status()["hold"]
+        assert status is not None and "power loss" in status["reason"]
+        assert status["barriers"] and status["barriers"][0].startswith(a.name + "/")
+        assert status["boot_id"] == "boot-2" and status["previous_boot_id"] == "boot-1"
+        registration = json.loads(store_named(store)[NODES + b.name].body)
+        assert "power loss" in registration["hold"]  # 'ckptfs nodes' on A says why
+        assert (tmp_path / "b" / HOLD_FILE).exists()
+
+        # The operator gives the shard up: forget B on A. The marker goes out without it,
+        # B notices, clears its hold and registers again.
+        await a.coordinator.forget(b.name)
+        await wait_for(lambda: "step_1/.metadata" in keys(store))
+        assert "step_1/__1_0.distcp" not in keys(store)
+        await wait_for(lambda: b.coordinator.hold is None)
+        assert not (tmp_path / "b" / HOLD_FILE).exists()
+        await wait_for(lambda: NODES + b.name in keys(store))
+        assert "hold" not in json.loads(store_named(store)[NODES + b.name].body)
+
+        # The next checkpoint is ordered as usual: B is waited for and acks.
+        b.tier.bandwidth = 2_000
+        await b.write("step_2/__1_0.distcp", b"c" * 100_000)  # 50 s to upload
+        await a.write("step_2/.metadata", b"meta")
+        await trio.sleep(20)
+        assert "step_2/.metadata" not in keys(store)
+        await wait_for(lambda: "step_2/.metadata" in keys(store))
+        assert "step_2/__1_0.distcp" in keys(store)
+        await a.stop()
+        await b.stop()
+
+
+async def test_the_hold_survives_restarts_and_a_clean_unmount_until_cleared_on_the_node(
+    tmp_path: Path, store: str, clock: trio.abc.Clock
+) -> None:
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await _shard_closed_then_lost(nursery, tmp_path, store, row_lost=False)
+        await b.stop()  # clean: but holding, so it stays registered
+        assert NODES + b.name in keys(store)
+        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store,
+                                                  boot="boot-2"))
+        assert b.coordinator.hold is not None
+        await trio.sleep(600)
+        assert "step_1/.metadata" not in keys(store)
+
+        # On B itself, forgetting its own id is the operator's "give up what it lost".
+        await b.coordinator.forget(b.name)
+        assert b.coordinator.hold is None
+        await wait_for(lambda: "step_1/.metadata" in keys(store))
+        with pytest.raises(ValueError, match="itself"):
+            await b.coordinator.forget(b.name)  # not holding: refused as before
+        await a.stop()
+        await b.stop()
+    assert NODES + b.name not in keys(store)  # not holding any more: it left cleanly
+    b2 = NodeRun(tmp_path / "b", "boot-3")
+    assert b2.start("b", incomplete=0) is None  # a clean stop, then a reboot: no hold
+
+
+async def test_a_kill_without_a_reboot_does_not_hold(
+    tmp_path: Path, store: str, clock: trio.abc.Clock
+) -> None:
+    """A SIGKILL keeps the page cache: the journal knows every close, the node acks as soon
+    as its files are uploaded (tests/test_multinode.py covers the order)."""
+    async with trio.open_nursery() as nursery:
+        b = await nursery.start(run_node, tmp_path / "b", store)
+        b.kill()
+        await b.stopped.wait()
+        record = json.loads((tmp_path / "b" / RUN_FILE).read_text())
+        assert record["clean"] is False and record["boot_id"] == "boot-1"
+        b = await nursery.start(run_node, tmp_path / "b", store)  # same boot
+        assert b.coordinator.hold is None
+        await b.stop()
+    assert json.loads((tmp_path / "b" / RUN_FILE).read_text())["clean"] is True
+
+
+def test_an_unknown_boot_id_after_an_unclean_stop_holds(tmp_path: Path) -> None:
+    first = NodeRun(tmp_path, None)
+    assert first.start("n", incomplete=0) is None  # no record: a new staging directory
+    again = NodeRun(tmp_path, None)  # the previous run never stopped cleanly
+    hold = again.start("n", incomplete=2)
+    assert hold is not None and "2 came back incomplete" in hold.reason
+    assert "ckptfs nodes MOUNT --forget n" in hold.reason
+    (tmp_path / HOLD_FILE).write_text("garbage")
+    assert NodeRun(tmp_path, "x").start("n", incomplete=0) is not None  # still held
+    assert oct((tmp_path / RUN_FILE).stat().st_mode & 0o777) == "0o600"
