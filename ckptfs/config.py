@@ -197,6 +197,9 @@ class Config(_Strict):
 
     staging_dir: Path = DEFAULT_STAGING
     allow_other: bool = False
+    # The mount is always nodev, and nosuid unless this is set: the store (anyone who can
+    # write its prefix) decides what a node maps (mount.py, listing.py).
+    suid: bool = False
     fsync: Literal["local", "remote"] = "local"
     unlink: Literal["posix", "local-only"] = "posix"
     commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS

@@ -366,7 +366,7 @@ class ControlServer:
             "options": {} if self.config is None else {
                 "upload_concurrency": self.config.upload_concurrency,
                 "fsync": self.config.fsync, "unlink": self.config.unlink,
-                "allow_other": self.config.allow_other,
+                "allow_other": self.config.allow_other, "suid": self.config.suid,
                 "metrics_port": self.config.metrics_port,
             },
             "failed": [{"item": str(w.target or w.key), "error": w.error, "attempts": w.attempts}

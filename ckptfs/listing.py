@@ -56,6 +56,7 @@ from ckptfs.coordination import retired_key, retired_paths
 from ckptfs.errors import CkptfsError, NotEmpty, StoreUnavailable
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.namespace import MAX_NAME, Namespace
+from ckptfs.storetrust import dir_mode, file_mode, owner, symlink_target
 from ckptfs.tiers.base import (
     ARCHIVE_CLASSES,
     CONTROL_PREFIX,
@@ -362,18 +363,23 @@ class Lister:
         return prefix + os.fsdecode(name) + ("/" if stat.S_ISDIR(row.mode) else "")
 
     def _insert(self, directory: Row, name: bytes, info: ObjectInfo, now: float) -> None:
+        # Modes, owners and targets as storetrust.py allows them: the store is not trusted.
         meta = info.meta
         mtime = meta.mtime_ns or int(now * 1e9)
         target = None
         if info.key.endswith("/"):
-            mode, state, size = stat.S_IFDIR | (meta.mode & 0o7777 or 0o755), State.COMMITTED, 0
+            mode, state, size = dir_mode(meta.mode), State.COMMITTED, 0
         elif meta.kind is Kind.SYMLINK:
-            target = os.fsencode(meta.target or "")
+            target, why = symlink_target(meta.target)
+            if target is None:
+                self._refuse(info.key, why or "bad symlink")
+                return
             mode, state, size = stat.S_IFLNK | 0o777, State.COMMITTED, len(target)
         else:
-            mode, state, size = stat.S_IFREG | (meta.mode & 0o7777), State.REMOTE, info.size
+            mode, state, size = file_mode(meta.mode), State.REMOTE, info.size
         row = Row(
-            ino=0, parent=directory.ino, name=name, mode=mode, uid=meta.uid, gid=meta.gid,
+            ino=0, parent=directory.ino, name=name, mode=mode, uid=owner(meta.uid),
+            gid=owner(meta.gid),
             size=size, atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, target=target,
             state=state, checksum=meta.checksum, blocks=meta.blocks,
             storage_class=info.storage_class if info.storage_class in ARCHIVE_CLASSES else None,
@@ -400,8 +406,8 @@ class Lister:
         self._on_drop(row)
         row.state = State.REMOTE
         row.size = info.size
-        row.mode = stat.S_IFREG | (meta.mode & 0o7777)
-        row.uid, row.gid = meta.uid, meta.gid
+        row.mode = file_mode(meta.mode)
+        row.uid, row.gid = owner(meta.uid), owner(meta.gid)
         row.mtime_ns = row.ctime_ns = meta.mtime_ns or time.time_ns()
         row.checksum, row.blocks = meta.checksum, meta.blocks
         row.storage_class, row.remote_etag = archived, info.etag

@@ -8,7 +8,9 @@ wrapper ``mount/mount.ckptfs`` (installed by ``mount/install.sh``), which runs `
 - OPTIONS are configuration keys (``staging_dir=/nvme/ckptfs``, ``upload_concurrency=8``,
   ``fsync=remote``, a bare ``allow_other``), plus ``config=/etc/ckptfs/ckpt.toml``. The generic
   options fstab and systemd use (``defaults``, ``rw``, ``auto``, ``noauto``, ``_netdev``,
-  ``nofail``, ``x-systemd.*``, ``nosuid``, ...) are accepted and ignored.
+  ``nofail``, ``x-systemd.*``, ``noatime``, ...) are accepted and ignored. ``nosuid`` and
+  ``suid`` set the ``suid`` key (the last one given wins; ``defaults`` turns nothing on);
+  ``nodev`` is accepted (the mount always is); ``dev`` is refused.
 - ``ckptfs mount -o OPTIONS`` takes the same options (``parse_options``).
 
 The helper then execs ``ckptfs mount``, which returns once the mount is ready (or with the
@@ -34,7 +36,7 @@ from ckptfs.errors import UserError
 # Accepted and ignored: they mean something to mount(8), fstab or systemd, not to ckptfs.
 GENERIC_OPTIONS = frozenset({
     "defaults", "rw", "auto", "noauto", "_netdev", "nofail", "user", "nouser", "users",
-    "owner", "group", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "atime",
+    "owner", "group", "exec", "noexec", "nodev", "async", "atime",
     "noatime", "relatime", "norelatime", "strictatime", "nostrictatime", "diratime",
     "nodiratime", "lazytime", "nolazytime", "iversion", "noiversion", "silent", "loud",
 })
@@ -43,7 +45,10 @@ GENERIC_PREFIXES = ("x-", "X-", "comment=")
 REFUSED_OPTIONS = {
     "ro": "ckptfs cannot be mounted read-only",
     "sync": "'sync' is not supported (fsync=remote makes fsync wait for the store)",
+    "dev": "ckptfs always mounts nodev (device files are not supported)",
 }
+# Generic options that are configuration keys (``suid = true`` in the config file).
+BOOL_ALIASES = {"suid": ("suid", True), "nosuid": ("suid", False)}
 SECRET_KEYS = frozenset({"access_key_id", "secret_access_key"})
 ALIASES = {"staging": "staging_dir"}
 # Keys that are lists or tables: the config file's business, not a mount option's.
@@ -110,6 +115,10 @@ def parse_options(texts: Iterable[str], *, sloppy: bool = False) -> Options:
                 continue
             if item in REFUSED_OPTIONS:
                 raise UserError(f"mount option {item!r}: {REFUSED_OPTIONS[item]}")
+            if item in BOOL_ALIASES:
+                key, flag = BOOL_ALIASES[item]
+                result.overrides[key] = flag
+                continue
             if name in SECRET_KEYS:
                 raise UserError(
                     f"mount option {name!r}: credentials do not belong in mount options "

@@ -25,6 +25,7 @@ from ckptfs.mounthelper import (
     parse_options,
     split_options,
 )
+from ckptfs.mountinfo import find
 from tests.mounting import ckptfs, is_mounted, wait_dead
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +45,29 @@ def test_options_map_to_config_keys_and_generic_ones_are_ignored() -> None:
     assert parsed.config == Path("/etc/ckptfs/ckpt.toml")
     assert parsed.overrides == {
         "staging_dir": "/nvme/ckptfs", "upload_concurrency": "8", "allow_other": True,
-        "fsync": "remote", "step_regex": "step(\\d+),x",
+        "fsync": "remote", "step_regex": "step(\\d+),x", "suid": False,  # from nosuid
     }
     assert "_netdev" in parsed.ignored and "nofail" in parsed.ignored
+    assert "nodev" in parsed.ignored  # always nodev
+
+
+def test_suid_and_nosuid_set_the_suid_key_and_dev_is_refused(tmp_path: Path) -> None:
+    assert parse_options(["defaults"]).overrides == {}  # defaults turns neither suid nor dev on
+    assert parse_options(["suid"]).overrides == {"suid": True}
+    assert parse_options(["suid,nosuid"]).overrides == {"suid": False}  # the last one wins
+    assert parse_options(["nosuid", "suid=true"]).overrides == {"suid": "true"}
+    with pytest.raises(UserError, match="'dev': ckptfs always mounts nodev"):
+        parse_options(["defaults,dev"])
+    # An explicit nosuid wins over the config file's suid = true.
+    config = tmp_path / "c.toml"
+    config.write_text("suid = true\n")
+    command = mount_command(parse_helper_args(
+        [str(tmp_path), "/ckpt", "-o", f"config={config},nosuid"]))
+    assert command[-2:] == ["-o", "suid=false"]
+    from ckptfs.config import load_config
+
+    assert load_config(config, {"suid": "false"}).suid is False
+    assert load_config(config, {}).suid is True
 
 
 @pytest.mark.parametrize(("options", "needle"), [
@@ -54,6 +75,7 @@ def test_options_map_to_config_keys_and_generic_ones_are_ignored() -> None:
     ("upload_concurrency", "'upload_concurrency' needs a value"),
     ("ro", "read-only"),
     ("sync", "fsync=remote"),
+    ("dev", "nodev"),
     ("secret_access_key=abc", "credentials"),
     ("access_key_id=abc", "credentials"),
     ("config=", "needs a file"),
@@ -188,6 +210,8 @@ def test_fstab_line_mounts_with_mount_T_and_options_take_effect(
     assert status["warm_tier"] == store.as_uri()
     assert status["options"]["upload_concurrency"] == 3  # from the fstab options
     assert status["options"]["fsync"] == "remote"  # from config=
+    entry = find(mnt)  # nosuid and nodev by default, though fstab said "defaults"
+    assert entry is not None and {"nosuid", "nodev"} <= set(entry.options.split(","))
     assert (staging / "daemon.log").read_text().count(" DEBUG ") > 0  # from config=
     (mnt / "step_1").mkdir()
     (mnt / "step_1" / "model.pt").write_bytes(b"x" * 1000)

@@ -130,11 +130,13 @@ class ObjectMeta:
 
     @classmethod
     def from_headers(cls, headers: dict[str, str]) -> ObjectMeta:
-        def num(key: str, base: int = 10, default: int = 0) -> int:
+        def num(key: str, base: int = 10, default: int = 0, bad: int | None = None) -> int:
             try:
                 return int(headers[key], base)
-            except (KeyError, ValueError):
+            except KeyError:
                 return default
+            except ValueError:
+                return default if bad is None else bad
 
         try:
             kind = Kind(headers.get("ckptfs-kind", "file"))
@@ -144,8 +146,9 @@ class ObjectMeta:
             kind=kind,
             mode=num("ckptfs-mode", 8, 0o644),
             mtime_ns=num("ckptfs-mtime-ns"),
-            uid=num("ckptfs-uid"),
-            gid=num("ckptfs-gid"),
+            # Unreadable owners are not root: -1, which storetrust.py maps to nobody.
+            uid=num("ckptfs-uid", bad=-1),
+            gid=num("ckptfs-gid", bad=-1),
             checksum=headers.get("ckptfs-checksum"),
             target=(unquote(headers["ckptfs-target"], errors="surrogateescape")
                     if "ckptfs-target" in headers else None),
