@@ -24,6 +24,8 @@ from ckptfs.journal import ROOT_INODE
 from ckptfs.noderun import HOLD_FILE, RUN_FILE, NodeRun
 from ckptfs.tiers.memory import store_named
 from tests.cluster import Node, durable_point, make_tier, power_loss, run_node
+from tests.mounting import Mounter, ckptfs
+from tests.mounting import status as mounting_status
 
 
 @pytest.fixture
@@ -174,3 +176,35 @@ def test_an_unknown_boot_id_after_an_unclean_stop_holds(tmp_path: Path) -> None:
     (tmp_path / HOLD_FILE).write_text("garbage")
     assert NodeRun(tmp_path, "x").start("n", incomplete=0) is not None  # still held
     assert oct((tmp_path / RUN_FILE).stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(180)
+def test_a_mount_back_from_a_power_loss_says_it_holds_until_told(
+    tmp_path: Path, mounter: Mounter
+) -> None:
+    """The daemon's side: the run record of the staging directory, ``ckptfs status`` (text and
+    JSON), ``ckptfs nodes`` and the end of the hold on the node itself."""
+    staging = tmp_path / "b" / "staging"
+    staging.mkdir(parents=True)
+    # What a node that lost power leaves: a run that never stopped, on another boot.
+    (staging / RUN_FILE).write_text(json.dumps({"boot_id": "a-boot-before", "clean": False}))
+    b = mounter("b", staging=staging)
+    node = mounting_status(b)["node"]
+    assert node["hold"] is not None and "power loss" in node["hold"]["reason"]
+    assert node["hold"]["previous_boot_id"] == "a-boot-before"
+    shown = ckptfs("status", b.path).stdout
+    assert "holding" in shown and "--forget" in shown
+    listed = json.loads(ckptfs("nodes", b.path, "--json").stdout)
+    assert [n.get("hold") is not None for n in listed["nodes"] if n["self"]] == [True]
+    b.umount()  # clean, but holding: the hold stays for the next mount
+    assert (staging / HOLD_FILE).exists()
+    assert json.loads((staging / RUN_FILE).read_text())["clean"] is True
+    b.remount()
+    assert mounting_status(b)["node"]["hold"] is not None
+    ckptfs("nodes", b.path, "--forget", node["node"])  # the operator decides, on the node
+    assert mounting_status(b)["node"]["hold"] is None
+    assert not (staging / HOLD_FILE).exists()
+    b.umount()
+    b.remount()  # stopped cleanly on this boot: no hold
+    assert mounting_status(b)["node"]["hold"] is None
