@@ -216,7 +216,7 @@ class ControlServer:
             except (ValueError, TypeError) as exc:  # int([]) is a TypeError
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await _send(stream, {"error": f"bad request: {exc}"})
-            except Exception as exc:  # noqa: BLE001 (any peer can connect: never the daemon)
+            except Exception as exc:
                 log.exception("control socket: request failed")
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await _send(stream, {"error": f"request failed: {exc}"})

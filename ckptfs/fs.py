@@ -45,6 +45,7 @@ from ckptfs.errors import (
 )
 from ckptfs.fetch import Fetcher
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.keys import KeyClaims
 from ckptfs.listing import Lister
 from ckptfs.namespace import Namespace
 from ckptfs.staging import SpaceBudget, Staging
@@ -197,6 +198,8 @@ class Filesystem:
         self._next_fh = 1
         self._writers: dict[int, int] = {}
         # The read path: without a tier (unit tests of the write path) every file is local.
+        # Every claim on a store key (the uploader's, a listing's question) goes through it.
+        self.keys = KeyClaims(journal, self.ns)
         self.fetcher: Fetcher | None = None
         self.lister: Lister | None = None
         if tier is not None:
@@ -208,7 +211,7 @@ class Filesystem:
             )
             self.lister = Lister(journal, self.ns, tier, ttl=read.metadata_ttl,
                                  is_busy=self._busy, on_drop=self._drop_data,
-                                 on_lost=self._upload_again)
+                                 on_lost=self._upload_again, keys=self.keys)
         self.daemon_info: dict[str, object] = {}
 
     # -- start ----------------------------------------------------------------------------
@@ -468,8 +471,12 @@ class Filesystem:
         with self.journal.transaction():
             self.ns.unlink(parent, name, directory=directory)
             tombs = [(self.journal.add_tombstone(k), k) for k in keys]
-            if not self.unlink_remote and row.remote_key:
-                self.journal.hide(row.remote_key)  # kept remotely for retention, not shown
+            if not self.unlink_remote:
+                # Kept remotely for retention, not shown: the committed copy, and the one an
+                # upload or move on its way (it cannot be called back) is writing.
+                for key in {row.remote_key, row.uploading_key} - {None}:
+                    assert key is not None
+                    self.journal.hide(key)
         self._forget_remote(row, tombs)
 
     def _remote_keys(self, row: Row) -> list[str]:

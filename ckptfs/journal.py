@@ -118,6 +118,7 @@ CREATE TABLE IF NOT EXISTS inodes (
     remote_etag  TEXT,
     UNIQUE (parent, name)
 );
+CREATE INDEX IF NOT EXISTS inodes_remote_key ON inodes (remote_key);
 CREATE TABLE IF NOT EXISTS tombstones (
     id  INTEGER PRIMARY KEY AUTOINCREMENT,
     key TEXT NOT NULL
@@ -306,6 +307,12 @@ class Journal:
         ).fetchone()
         return int(found[0]) if found else None
 
+    def holders_of(self, key: str) -> list[int]:
+        """Every live inode whose committed copy is at ``key`` (keys.py: at most one, but a
+        journal from before key ownership may hold more)."""
+        return [int(r[0]) for r in self._db.execute(
+            "SELECT ino FROM inodes WHERE remote_key = ? AND parent IS NOT NULL", (key,))]
+
     def descendants(self, ino: int) -> list[int]:
         """Every inode below directory ``ino``, deepest last."""
         return [
@@ -417,6 +424,9 @@ class Journal:
 
     def unhide(self, key: str) -> None:
         self._db.execute("DELETE FROM hidden WHERE key = ?", (key,))
+
+    def is_hidden(self, key: str) -> bool:
+        return self._db.execute("SELECT 1 FROM hidden WHERE key = ?", (key,)).fetchone() is not None
 
     def hidden_under(self, prefix: str) -> set[str]:
         return {str(r[0]) for r in self._db.execute(

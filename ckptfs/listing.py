@@ -55,6 +55,7 @@ import trio
 from ckptfs.coordination import retired_key, retired_paths
 from ckptfs.errors import CkptfsError, NotEmpty, StoreUnavailable
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.keys import KeyClaims
 from ckptfs.namespace import MAX_NAME, Namespace
 from ckptfs.storetrust import dir_mode, file_mode, owner, symlink_target
 from ckptfs.tiers.base import (
@@ -94,8 +95,10 @@ class Lister:
         self, journal: Journal, ns: Namespace, tier: Tier, *, ttl: float,
         is_busy: Callable[[int], bool], on_drop: Callable[[Row], None],
         on_lost: Callable[[Row], None], clock: Callable[[], float] = trio.current_time,
+        keys: KeyClaims | None = None,
     ) -> None:
         self.journal = journal
+        self.keys = keys if keys is not None else KeyClaims(journal, ns)
         self.ns = ns
         self.tier = tier
         self.ttl = ttl
@@ -206,12 +209,7 @@ class Lister:
         local = self._children(directory)
         # Deleted, being deleted, or deleted while this listing was on its way (the store
         # may have answered before the deletion).
-        skip = (self.journal.hidden_under(prefix) | self.journal.tombstoned_under(prefix)
-                | self.journal.tombstoned_since(prefix, mark))
-        for key, ino in self.journal.claimed_under(prefix).items():
-            held = local.get(os.fsencode(key[len(prefix):].removesuffix("/")))
-            if held is None or held.ino != ino:
-                skip.add(key)  # the key of an entry moving away from it, not a new entry
+        skip = self.keys.listing_skip(prefix, mark, local)
         with self.journal.transaction():
             for name, info in remote.items():
                 if info.key in skip:

@@ -123,7 +123,8 @@ async def serve(
         fs.start()
         fs.mountpoint = str(mountpoint)
         uploader = Uploader(journal, fs.ns, staging, tier,
-                            concurrency=config.upload_concurrency, markers=config.commit_markers)
+                            concurrency=config.upload_concurrency, markers=config.commit_markers,
+                            keys=fs.keys)
         fs.listener = uploader
         uploader.requeue_from_journal()
         node = node_id(staging.root, config.node_id)

@@ -20,8 +20,11 @@ Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
 - Nothing else waits for anything: an old directory whose children are not deleted yet, or a
   file whose key is still a directory on a file tier, fails and is retried (waiting would
   deadlock: the directory's deletion could be waiting for that very file).
-- Two items never work on the same remote key at once, and a pending deletion of a key is
-  dropped when a newer upload to that key starts (it would overwrite it anyway).
+- Who may touch a key, and when, is keys.py's (``KeyClaims``): two items never work on the
+  same remote key at once (a move claims its source and its target), a copy to a key waits
+  for the file that still has to move away from it, a ring of such moves is broken by
+  parking one copy, and a pending deletion of a key is dropped when a newer upload to that
+  key starts (it would overwrite it anyway).
 
 Invariants:
 - The journal is written before the store is touched (state UPLOADING, tombstone rows), and
@@ -52,6 +55,7 @@ import trio
 from ckptfs.errors import NotFound
 from ckptfs.integrity import MIN_BLOCK, file_sums, format_crc
 from ckptfs.journal import Journal, Row, State
+from ckptfs.keys import KeyClaims
 from ckptfs.namespace import Namespace
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
@@ -77,7 +81,9 @@ class Work:
     not_before: float = 0.0
     attempts: int = 0
     error: str | None = None
-    target: str | None = None  # the remote key it works on, while in flight
+    target: str | None = None  # the remote key it writes (or deletes), while in flight
+    source: str | None = None  # the key a move copies from, while in flight
+    park: bool = False  # a move to a parking key (keys.py rule 2), while in flight
     cancel: trio.CancelScope | None = None
     done_bytes: int = 0
 
@@ -119,7 +125,7 @@ class Uploader:
     def __init__(
         self, journal: Journal, ns: Namespace, staging: Staging, tier: Tier, *,
         concurrency: int, markers: Iterable[str], clock: Callable[[], float] = trio.current_time,
-        min_block: int = MIN_BLOCK,
+        min_block: int = MIN_BLOCK, keys: KeyClaims | None = None,
     ) -> None:
         self.journal = journal
         self.min_block = min_block  # the smallest integrity block (integrity.py)
@@ -141,6 +147,7 @@ class Uploader:
         self.stats = UploadStats()
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
+        self.keys = keys if keys is not None else KeyClaims(journal, ns)
         # Set when other nodes may write to the same store (coordination.py): markers then
         # also wait for every node's files closed before them.
         self.coordinator: Coordinator | None = None
@@ -337,7 +344,6 @@ class Uploader:
 
     def _pick(self, now: float) -> tuple[Work | None, float]:
         """The next eligible item (smallest number first) and when to look again."""
-        busy_targets = {w.target for w in self._inflight.values() if w.target}
         floor = min([w.seq for w in (*self._pending.values(), *self._inflight.values())]
                     + list(self._closing.values()), default=math.inf)
         wake_at = math.inf
@@ -347,10 +353,13 @@ class Uploader:
             if work.not_before > now:
                 wake_at = min(wake_at, work.not_before)
                 continue
-            target = self._target(work)
-            if target is not None and target in busy_targets:
+            plan = self._plan(work)
+            if plan is None:
+                continue  # waits for a file to move away from its key (keys.py rule 1)
+            target, source, park = plan
+            if self.keys.busy((target, source)):
                 continue
-            marker = work.key[0] == "ino" and target is not None and is_marker(
+            marker = work.key[0] == "ino" and target is not None and not park and is_marker(
                 target.rstrip("/").rsplit("/", 1)[-1], self.markers)
             if marker and floor < work.seq:
                 continue
@@ -358,9 +367,36 @@ class Uploader:
                     not self.coordinator.is_released(work.seq):
                 self.coordinator.want(work.seq)  # its barrier wakes us when the nodes agree
                 continue
-            work.target = target
+            work.target, work.source, work.park = target, source, park
+            self.keys.claim(work.key, (target, source))
             return work, wake_at
         return None, wake_at
+
+    def _plan(self, work: Work) -> tuple[str | None, str | None, bool] | None:
+        """The keys ``work`` would write and copy from, and whether it parks (keys.py rule
+        2); None while it must wait for another file to move away from its key (rule 1)."""
+        if work.key[0] == "tomb":
+            return self.journal.tombstone_key(work.key[1]), None, False
+        try:
+            row = self.ns.get(work.key[1])
+        except NotFound:
+            return None, None, False
+        key = self.keys.key_of(row)
+        if key is None or not stat.S_ISREG(row.mode):
+            return key, None, False
+        move = self.keys.is_move(row, key)
+        upload = row.state in (State.STAGED, State.UPLOADING) and not row.incomplete
+        if not move and not upload:
+            return key, None, False
+        blocker, cycle = self.keys.blocker(row, key)
+        if blocker is not None and not cycle:
+            if ("ino", blocker.ino) not in self._pending and \
+                    ("ino", blocker.ino) not in self._inflight:
+                self._queue(("ino", blocker.ino))  # its move is what we wait for
+            return None
+        if cycle:
+            return self.keys.parking_key(row.ino), row.remote_key, True
+        return key, row.remote_key if move else None, False
 
     def _markers_last(self, rows: list[Row]) -> list[Row]:
         """``rows`` in their order, but every commit marker after every other entry."""
@@ -378,20 +414,6 @@ class Uploader:
         """Deletions of old copies: ``sync`` waits for them whatever their number."""
         return work.key[0] == "tomb"
 
-    def _target(self, work: Work) -> str | None:
-        kind, ident = work.key
-        if kind == "tomb":
-            return self.journal.tombstone_key(ident)
-        path = self.journal.path_of(ident)
-        if not path:
-            return None
-        try:
-            row = self.ns.get(ident)
-        except NotFound:
-            return None
-        key = os.fsdecode(path)
-        return key + "/" if stat.S_ISDIR(row.mode) else key
-
     async def _worker(self) -> None:
         while True:
             work = await self._next()
@@ -405,7 +427,9 @@ class Uploader:
                 self._failed(work, exc)
             finally:
                 work.cancel = None
-                work.target = None
+                work.target = work.source = None
+                work.park = False
+                self.keys.release(work.key)
                 del self._inflight[work.key]
                 self._wake()
 
@@ -455,8 +479,9 @@ class Uploader:
             key = self.journal.tombstone_key(ident)
             if key is not None:
                 # A live file committed at this key since (a rename over it, an exchange):
-                # the object is its data now, not garbage.
-                if self.journal.holder_of(key) is None:
+                # the object is its data now, not garbage. A key hidden by a local-only
+                # unlink is kept for retention.
+                if self.keys.may_delete(key):
                     await self.tier.delete(key)
                     self.stats.deleted += 1
                 self.journal.drop_tombstone(ident)
@@ -472,6 +497,11 @@ class Uploader:
         if stat.S_ISREG(row.mode):
             if row.state in (State.STAGED, State.UPLOADING) and not row.incomplete:
                 await self._upload(work, row, key)
+            elif work.park and work.target is not None:
+                # A ring of moves (keys.py rule 2): this copy steps aside to a parking key,
+                # and from there to its path once the key it wants is free.
+                await self._move(row, work.target)
+                self.inode_changed(row.ino)
             elif row.state in (State.COMMITTED, State.REMOTE) and row.remote_key != key:
                 await self._move(row, key)
         else:
@@ -592,8 +622,10 @@ class Uploader:
         if row is not None and self.journal.path_of(ino) is not None:
             return row
         # Through the journal, so that a failed deletion is retried (and a listing meanwhile
-        # skips the key); the tombstone leaves a key a live entry holds by then.
-        self._retire(key)
+        # skips the key); the tombstone leaves a key a live entry holds by then. A key a
+        # local-only unlink hid stays: the store copy is kept for retention.
+        if not self.keys.keep_unowned(key):
+            self._retire(key)
         return None
 
     def _retire(self, key: str) -> None:

@@ -97,7 +97,8 @@ async def run_node(
     try:
         fs.start()
         uploader = Uploader(journal, fs.ns, staging, tier, concurrency=2,
-                            markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size)
+                            markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size,
+                            keys=fs.keys)
         fs.listener = uploader
         uploader.requeue_from_journal()
         name = node_id(root, node)

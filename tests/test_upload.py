@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,20 +83,17 @@ class Rig:
         return {k: o.body for k, o in self.objects.items() if o.meta.kind is Kind.FILE}
 
 
-@pytest.fixture
-async def rig(
-    tmp_path: Path, request: pytest.FixtureRequest, autojump_clock: trio.abc.Clock
-) -> AsyncIterator[Rig]:
-    inner = MemoryTier("warm", "memory://t", f"t-{request.node.name}-{id(tmp_path)}")
-    inner.objects.clear()
-    tier = RecordingTier(inner)
+@asynccontextmanager
+async def open_rig(tmp_path: Path, tier: RecordingTier, inner: MemoryTier, *,
+                   unlink_remote: bool = True, concurrency: int = 4) -> AsyncIterator[Rig]:
+    """A filesystem core and its uploader over ``tier`` (which wraps ``inner``)."""
     staging = Staging(tmp_path / "staging")
     staging.prepare()
     journal = Journal(staging.root / "journal.db")
-    fs = Filesystem(journal, staging, tier=tier)
+    fs = Filesystem(journal, staging, tier=tier, unlink_remote=unlink_remote)
     fs.start()
-    uploader = Uploader(journal, fs.ns, staging, tier, concurrency=4,
-                        markers=DEFAULT_COMMIT_MARKERS)
+    uploader = Uploader(journal, fs.ns, staging, tier, concurrency=concurrency,
+                        markers=DEFAULT_COMMIT_MARKERS, keys=fs.keys)
     fs.listener = uploader
     async with trio.open_nursery() as nursery:
         await nursery.start(uploader.run)
@@ -103,6 +101,16 @@ async def rig(
         nursery.cancel_scope.cancel()
     journal.close()
     staging.close()
+
+
+@pytest.fixture
+async def rig(
+    tmp_path: Path, request: pytest.FixtureRequest, autojump_clock: trio.abc.Clock
+) -> AsyncIterator[Rig]:
+    inner = MemoryTier("warm", "memory://t", f"t-{request.node.name}-{id(tmp_path)}")
+    inner.objects.clear()
+    async with open_rig(tmp_path, RecordingTier(inner), inner) as opened:
+        yield opened
 
 
 async def test_close_commits_with_checksum(rig: Rig, autojump_clock: trio.abc.Clock) -> None:

@@ -23,7 +23,6 @@ from ckptfs.tiers.base import (
     write_local,
 )
 
-
 _TAGS = itertools.count(1)
 
 

@@ -1,0 +1,181 @@
+"""Store keys have one owner (ckptfs/keys.py): renames, swaps and rotations lose nothing.
+
+Unit level: the core + the uploader over a memory tier behind the fault wrapper, with trio's
+autojump clock. Each test fails without the rule it names (docs/SEMANTICS.md, "Store keys").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from ckptfs.errors import NotFound
+from ckptfs.fs import RENAME_EXCHANGE
+from ckptfs.journal import ROOT_INODE, State
+from ckptfs.keys import PARKING_PREFIX
+from ckptfs.tiers.base import ObjectInfo, ObjectMeta, Progress
+from ckptfs.tiers.memory import MemoryTier
+from tests.test_upload import RecordingTier, Rig, open_rig, rig  # noqa: F401 - the fixture
+
+ROOT = ROOT_INODE
+
+
+async def _evict(rig: Rig, *paths: str) -> None:
+    """Drop the local copies: the store's object is then the only copy (a loss is visible)."""
+    rows = [rig.fs.getattr(await rig.ino(p)) for p in paths]
+    assert all(r.state in (State.COMMITTED, State.REMOTE) for r in rows)
+    rig.fs.evict(*[r for r in rows if r.state is State.COMMITTED])
+
+
+async def _read(rig: Rig, path: str) -> bytes:
+    ino = await rig.ino(path)
+    fh = await rig.fs.open(ino, os.O_RDONLY)
+    try:
+        return await rig.fs.read(fh, 0, 1 << 20)
+    finally:
+        rig.fs.release(fh)
+
+
+def _data_keys(rig: Rig) -> set[str]:
+    return {k for k in rig.files() if not k.startswith(".ckptfs/")}
+
+
+async def test_rotation_retried_after_a_transient_error_keeps_the_old_checkpoint(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``mv ckpt ckpt.prev; mv ckpt.new ckpt``: the first move fails once (503); the second
+    must not overwrite ``ckpt`` before the first has copied it away."""
+    await rig.write("ckpt", b"old" * 1000)
+    await rig.write("ckpt.new", b"new" * 1000)
+    await rig.settle()
+    await _evict(rig, "ckpt", "ckpt.new")
+    rig.tier.fail_next = 1  # the next store call (the first move's HEAD or COPY) fails
+    await rig.fs.rename(ROOT, b"ckpt", ROOT, b"ckpt.prev")
+    await rig.fs.rename(ROOT, b"ckpt.new", ROOT, b"ckpt")
+    await rig.settle()
+    assert not rig.uploader.failed()
+    assert rig.files() == {"ckpt.prev": b"old" * 1000, "ckpt": b"new" * 1000}
+    assert await _read(rig, "ckpt.prev") == b"old" * 1000
+    assert await _read(rig, "ckpt") == b"new" * 1000
+
+
+async def test_rotation_with_a_slow_store_keeps_the_old_checkpoint(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """No error, but latency: the second move's copy must not land between the first move's
+    HEAD and COPY."""
+    await rig.write("ckpt", b"old" * 1000)
+    await rig.write("ckpt.new", b"new" * 1000)
+    await rig.settle()
+    await _evict(rig, "ckpt", "ckpt.new")
+    head = rig.tier.head
+
+    async def slow_head(key: str) -> ObjectInfo:
+        info = await head(key)
+        if key == "ckpt":
+            await trio.sleep(2.0)  # the answer is on its way while other requests go on
+        return info
+
+    rig.tier.head = slow_head  # type: ignore[method-assign]
+    await rig.fs.rename(ROOT, b"ckpt", ROOT, b"ckpt.prev")
+    await rig.fs.rename(ROOT, b"ckpt.new", ROOT, b"ckpt")
+    await rig.settle()
+    assert rig.files() == {"ckpt.prev": b"old" * 1000, "ckpt": b"new" * 1000}
+    assert await _read(rig, "ckpt.prev") == b"old" * 1000
+
+
+async def test_new_file_at_a_key_being_moved_away_waits_for_the_move(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``mv ckpt ckpt.prev`` then a new ``ckpt`` written and closed at once: its upload must
+    not overwrite the old object before the move has copied it."""
+    await rig.write("ckpt", b"old" * 1000)
+    await rig.settle()
+    await _evict(rig, "ckpt")
+    rig.tier.fail_next = 1
+    await rig.fs.rename(ROOT, b"ckpt", ROOT, b"ckpt.prev")
+    await rig.write("ckpt", b"fresh" * 100)
+    await rig.settle()
+    assert rig.files() == {"ckpt.prev": b"old" * 1000, "ckpt": b"fresh" * 100}
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+async def test_directory_exchange_swaps_the_store_copies(
+        rig: Rig, autojump_clock: trio.abc.Clock, evicted: bool) -> None:
+    """``renameat2(cur, nxt, RENAME_EXCHANGE)`` of two directories holding ``model.pt``."""
+    await rig.write("cur/model.pt", b"OLD" * 500)
+    await rig.write("nxt/model.pt", b"NEW" * 500)
+    await rig.write("nxt/extra.pt", b"E")
+    await rig.settle()
+    if evicted:
+        await _evict(rig, "cur/model.pt", "nxt/model.pt")
+    rig.tier.latency = 0.5
+    await rig.fs.rename(ROOT, b"cur", ROOT, b"nxt", RENAME_EXCHANGE)
+    await rig.settle()
+    assert _data_keys(rig) == {"cur/model.pt", "cur/extra.pt", "nxt/model.pt"}
+    assert rig.objects["cur/model.pt"].body == b"NEW" * 500
+    assert rig.objects["nxt/model.pt"].body == b"OLD" * 500
+    assert not any(k.startswith(PARKING_PREFIX) for k in rig.objects)  # parked copies go
+    await _evict(rig, "cur/model.pt", "nxt/model.pt")
+    assert await _read(rig, "cur/model.pt") == b"NEW" * 500
+    assert await _read(rig, "nxt/model.pt") == b"OLD" * 500
+
+
+async def test_swap_through_three_renames_of_evicted_files(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``mv a t; mv b a; mv t b`` of files whose only copies are in the store: each move's
+    target is the other's source (a cycle), broken by parking one copy server-side."""
+    await rig.write("a", b"A" * 4000)
+    await rig.write("b", b"B" * 4000)
+    await rig.settle()
+    await _evict(rig, "a", "b")
+    await rig.fs.rename(ROOT, b"a", ROOT, b"t")
+    await rig.fs.rename(ROOT, b"b", ROOT, b"a")
+    await rig.fs.rename(ROOT, b"t", ROOT, b"b")
+    await rig.settle()
+    assert rig.files() == {"a": b"B" * 4000, "b": b"A" * 4000}
+    assert await _read(rig, "a") == b"B" * 4000
+    assert await _read(rig, "b") == b"A" * 4000
+
+
+class SlowPutTier(RecordingTier):
+    """Puts take ``put_seconds`` and cannot be cancelled once started (as an S3 PUT)."""
+
+    put_seconds = 5.0
+
+    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
+                       progress: Progress | None = None) -> str | None:
+        data = source.read_bytes()[:size]
+        with trio.CancelScope(shield=True):
+            await trio.sleep(self.put_seconds)
+            scratch = source.with_name(source.name + ".sent")
+            scratch.write_bytes(data)
+            etag = await self.inner.put_file(key, scratch, size, meta, progress)
+            scratch.unlink()
+        return etag
+
+
+@pytest.fixture
+async def local_only(tmp_path: Path, autojump_clock: trio.abc.Clock) -> AsyncIterator[Rig]:
+    inner = MemoryTier("warm", "memory://lo", f"lo-{id(tmp_path)}")
+    inner.objects.clear()
+    async with open_rig(tmp_path, SlowPutTier(inner), inner, unlink_remote=False,
+                        concurrency=2) as opened:
+        yield opened
+
+
+async def test_local_only_unlink_during_a_put_keeps_the_store_copy(
+        local_only: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``unlink = "local-only"`` drops the NVMe copy and hides the path; a PUT already on its
+    way lands, and its object is kept for retention, not deleted."""
+    rig = local_only
+    await rig.write("step_1/model.pt", b"m" * 1000)
+    await trio.sleep(1)  # the PUT is on its way (5 s)
+    step = await rig.ino("step_1")
+    await rig.fs.unlink(step, b"model.pt")
+    await rig.settle()
+    await trio.sleep(10)
+    assert rig.files() == {"step_1/model.pt": b"m" * 1000}
+    with pytest.raises(NotFound):
+        await rig.ino("step_1/model.pt")  # hidden here
