@@ -15,19 +15,26 @@ A passthrough mount whose backing ioctl fails (EPERM without CAP_SYS_ADMIN) serv
 itself and counts it in ``fallback_opens``.
 
 Usage: ``python tests/passthrough_fs.py SOURCE_DIR MOUNTPOINT [--mode passthrough|stock]``;
-serves in the foreground until unmounted (``fusermount3 -u MOUNTPOINT``).
+serves in the foreground until unmounted (``fusermount3 -u MOUNTPOINT``). Tests and benchmarks
+use ``build()`` and ``demo_mount()`` below, which start it as a subprocess and always unmount.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
 import os
 import stat
+import subprocess
+import sys
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyfuse3
@@ -35,6 +42,11 @@ import trio
 
 log = logging.getLogger("ptdemo")
 STATS_XATTR = b"user.ptdemo.stats"
+REPO = Path(__file__).resolve().parents[1]
+BUILD_SCRIPT = REPO / "scripts" / "build_passthrough_fuse.sh"
+PREFIX = Path(os.environ.get("CKPTFS_FUSE_PREFIX", "/opt/ckptfs-fuse"))
+# build_passthrough_fuse.sh's exit status when a prerequisite (apt source, PyPI) is unreachable
+BUILD_UNFETCHABLE = 3
 
 
 @dataclass
@@ -196,6 +208,60 @@ class PassthroughDemo(pyfuse3.Operations):  # type: ignore[misc]
             if b.opens == 0:
                 del self.backing[inode]
                 pyfuse3.passthrough_close(b.backing_id)
+
+
+# -- helpers for tests and benchmarks
+
+def build() -> subprocess.CompletedProcess[str]:
+    """Run scripts/build_passthrough_fuse.sh (cached: well under a second when built)."""
+    return subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
+                          timeout=1200, check=False, stdin=subprocess.DEVNULL)
+
+
+def stats(mountpoint: Path) -> dict[str, Any]:
+    return json.loads(os.getxattr(mountpoint, STATS_XATTR))  # type: ignore[no-any-return]
+
+
+def _mounted(path: Path) -> bool:
+    target = os.fsencode(os.path.abspath(path)).replace(b" ", b"\\040")
+    with open("/proc/self/mountinfo", "rb") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+@contextlib.contextmanager
+def demo_mount(source: Path, mountpoint: Path, mode: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Serve ``source`` at ``mountpoint`` (``mode``: passthrough or stock) in a subprocess.
+
+    Passthrough mode runs the pyfuse3 in PREFIX/python, stock mode the installed one. Always
+    unmounted on exit, even when the body failed or the daemon died.
+    """
+    env = dict(os.environ)
+    if mode == "passthrough":
+        env["PYTHONPATH"] = os.pathsep.join([str(PREFIX / "python"), str(REPO)])
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, __file__, str(source), str(mountpoint),
+                             "--mode", mode], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not _mounted(mountpoint):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read().decode() if proc.poll() is not None else ""  # type: ignore[union-attr]
+                raise RuntimeError(f"ptdemo ({mode}) did not mount {mountpoint}: {out}")
+            time.sleep(0.02)
+        yield proc
+    finally:
+        if _mounted(mountpoint):
+            subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True,
+                           check=False)
+        if _mounted(mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
+                           check=False)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
