@@ -11,11 +11,11 @@ object: state REMOTE or COMMITTED at the same key, not open for writing):
 - a clean entry known from the store whose object is gone (another node deleted it) is
   removed, unless it was committed after the listing began; so is an entry written here and
   since evicted (nothing of it is left). An entry written *here* that still has its local
-  copy is never removed on that ground: the copy is uploaded again (``on_lost``). A listing
-  never deletes local data that the store does not hold, with one exception: the object is
-  under a checkpoint path that retention retired (deleted, or moved off the warm tier) after
-  this copy was committed (``.ckptfs/retired/``, coordination.py ``RETIRED``): then the
-  copy and its entry go, or they would bring back shards without their marker.
+  copy is removed only on the word of peers.py, which decides what this node does about
+  what other nodes did: retention retired its checkpoint after this copy was committed, or
+  another node renamed it (a move record, and the same data at the new key). Otherwise the
+  copy is uploaded again (``on_lost``): a listing never deletes local data the store does
+  not hold on the strength of a missing key alone.
 
 Everything that is not clean (written here and not committed yet, being renamed, open for
 writing) wins over the store: local changes are never undone by a listing.
@@ -41,7 +41,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -52,11 +51,11 @@ from collections.abc import Callable
 
 import trio
 
-from ckptfs.coordination import retired_key, retired_paths
 from ckptfs.errors import CkptfsError, NotEmpty, StoreUnavailable
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.namespace import MAX_NAME, Namespace
+from ckptfs.peers import PeerJudge, Verdict
 from ckptfs.storetrust import dir_mode, file_mode, owner, symlink_target
 from ckptfs.tiers.base import (
     ARCHIVE_CLASSES,
@@ -99,6 +98,7 @@ class Lister:
     ) -> None:
         self.journal = journal
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
+        self.peers = PeerJudge(tier)  # why a key written here is missing (peers.py)
         self.ns = ns
         self.tier = tier
         self.ttl = ttl
@@ -200,7 +200,8 @@ class Lister:
         heads = [info for name, info in remote.items()
                  if not info.meta_known and self._needs_meta(before.get(name), info)]
         details = await self._head_all(heads)
-        retired = await self._retired(self._lost_candidates(prefix, remote, before, started))
+        lost = self._lost_candidates(prefix, remote, before, started)
+        verdicts = await self.peers.judge(lost)
         # From here on nothing is awaited: the journal changes in one go. Everything the
         # decisions depend on is read again now, since the namespace went on meanwhile (an
         # unlink adds a tombstone, a rename claims a key, the directory itself may move).
@@ -232,15 +233,21 @@ class Lister:
                 key = self._key_of(prefix, name, row)
                 if not self._clean(row, key) or (row.committed_at or 0.0) >= started:
                     continue
+                judged = lost.get(key)
+                verdict = verdicts.get(key) if judged is not None and \
+                    (judged.ino, judged.committed_at) == (row.ino, row.committed_at) else None
                 if row.closed_at is None or row.state is State.REMOTE:
                     # Known from the store (or no local data left): it is gone everywhere.
                     self._remove(directory, name, row)
-                elif self._retired_since(key, retired, row):
+                elif verdict is Verdict.RETIRED:
                     # Retention (on whichever node held its lease) deleted the checkpoint, or
                     # moved it to a colder tier, after this copy was committed: the copy
                     # goes too, else it would bring the checkpoint back.
                     if self._remove(directory, name, row):
                         log.info("%s: retired by retention; local copy dropped", key)
+                elif verdict is Verdict.MOVED:
+                    # Another node renamed it (peers.py): it lives on under the new name.
+                    self._remove(directory, name, row)
                 else:
                     # Written here, local copy at hand: never lose it on the word of a
                     # listing (the store lost it, or another node deleted what this node
@@ -252,37 +259,18 @@ class Lister:
         return True
 
     def _lost_candidates(self, prefix: str, remote: dict[bytes, ObjectInfo],
-                         local: dict[bytes, Row], started: float) -> list[str]:
-        """Keys of entries written here, with their local copy, that this listing misses
-        (what would be uploaded again): only for them are retirements looked up."""
-        out = []
+                         local: dict[bytes, Row], started: float) -> dict[str, Row]:
+        """Entries written here, with their local copy, that this listing misses (what would
+        be uploaded again), by key: peers.py judges why they are missing."""
+        out: dict[str, Row] = {}
         for name, row in local.items():
             if name in remote:
                 continue
             key = self._key_of(prefix, name, row)
             if self._clean(row, key) and (row.committed_at or 0.0) < started \
                     and row.closed_at is not None and row.state is not State.REMOTE:
-                out.append(key)
+                out[key] = row
         return out
-
-    async def _retired(self, keys: list[str]) -> dict[str, float]:
-        """Retirement time of each path covering one of ``keys`` that has a record."""
-        found: dict[str, float] = {}
-        paths = sorted({p for key in keys for p in retired_paths(key)})
-        for path in paths:
-            try:
-                body, _ = await self.tier.get_small(retired_key(path))
-                found[path] = float(json.loads(body)["at"])
-            except ObjectMissing:
-                continue
-            except (StoreUnavailable, TierError, ValueError, KeyError, TypeError) as exc:
-                log.info("retirement record of %s unreadable (%s): keeping the copy", path, exc)
-        return found
-
-    @staticmethod
-    def _retired_since(key: str, retired: dict[str, float], row: Row) -> bool:
-        committed = row.committed_at or 0.0
-        return any(retired.get(p, -math.inf) > committed for p in retired_paths(key))
 
     def _children(self, directory: Row) -> dict[bytes, Row]:
         found: dict[bytes, Row] = {}
@@ -417,7 +405,12 @@ class Lister:
         try:
             self.ns.unlink(directory.ino, name, directory=stat.S_ISDIR(row.mode))
         except NotEmpty:
-            return False  # its entries go first, when it is listed
+            # Its entries go first: list it now (another node may have renamed it with
+            # entries this node wrote; peers.py decides about them), the next listing of
+            # this directory then drops it.
+            if self.nursery is not None:
+                self.nursery.start_soon(self.refresh, row)
+            return False
         except CkptfsError as exc:
             log.warning("cannot drop %r (gone from the store): %s", name, exc)
             return False

@@ -57,6 +57,7 @@ from ckptfs.integrity import MIN_BLOCK, file_sums, format_crc
 from ckptfs.journal import Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.namespace import Namespace
+from ckptfs.peers import MoveRecorder
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
 
@@ -148,6 +149,7 @@ class Uploader:
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
+        self.moves = MoveRecorder(tier)
         # Set when other nodes may write to the same store (coordination.py): markers then
         # also wait for every node's files closed before them.
         self.coordinator: Coordinator | None = None
@@ -589,6 +591,10 @@ class Uploader:
             if info.meta.checksum != row.checksum:
                 raise ObjectMissing(old_key)
             await self.tier.copy(old_key, key)
+            if self.coordinator is not None:
+                # Before the old key goes: other nodes holding a copy of this file under the
+                # old name follow the rename instead of uploading it again (peers.py).
+                await self.moves.moved(old_key, key, row.committed_at)
         except ObjectMissing:
             if row.state is State.REMOTE:
                 log.error("%s: the only copy of %s is gone from %s", old_key, key, self.tier.url)

@@ -1,0 +1,132 @@
+"""Renames made by another node (peers.py): a node follows them, never uploads the old name
+again. Nodes without a mount over one memory store, deterministic clock (tests/cluster.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from ckptfs.errors import NotFound
+from ckptfs.fs import Filesystem
+from ckptfs.journal import ROOT_INODE
+from ckptfs.peers import MOVED, move_roots
+from ckptfs.tiers.memory import store_named
+from tests.cluster import Node, run_node
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    name = f"peers-{request.node.name}-{id(tmp_path)}"
+    store_named(name).clear()
+    return name
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def data_keys(store: str) -> set[str]:
+    return {k for k in store_named(store) if not k.startswith(".ckptfs/")}
+
+
+async def ino_of(fs: Filesystem, path: str) -> int:
+    ino = ROOT_INODE
+    for part in path.split("/"):
+        ino = (await fs.lookup(ino, part.encode())).ino
+    return ino
+
+
+async def list_all(fs: Filesystem, path: str = "") -> None:
+    """What ``ls -R`` does: every directory's listing is refreshed (beyond its ttl)."""
+    ino = await ino_of(fs, path) if path else ROOT_INODE
+    for row in list(await fs.readdir(ino, 0)):
+        if row.name is not None and fs.getattr(row.ino).mode & 0o040000:
+            await list_all(fs, f"{path}/{row.name.decode()}".lstrip("/"))
+
+
+async def read(fs: Filesystem, path: str) -> bytes:
+    fh = await fs.open(await ino_of(fs, path), 0)
+    try:
+        return await fs.read(fh, 0, 1 << 20)
+    finally:
+        fs.release(fh)
+
+
+def test_move_roots_strip_the_common_tail() -> None:
+    assert move_roots("step_1.tmp/model/shard_3", "step_1/model/shard_3") == \
+        ("step_1.tmp", "step_1")
+    assert move_roots("ckpt", "ckpt.prev") == ("ckpt", "ckpt.prev")
+    assert move_roots("a/x", "b/x/") == ("a", "b")
+
+
+async def test_tmp_dir_commit_by_another_node_is_followed(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """Lightning/NeMo/Orbax: every node writes its shard into ``step_1.tmp/``, rank 0 (node
+    A) renames it to ``step_1``. Node B, listing again, drops its entry under the old name;
+    nothing is uploaded under ``step_1.tmp`` again."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store))
+        await a.write("step_1.tmp/shard_0", b"a" * 1000)
+        await b.write("step_1.tmp/shard_1", b"b" * 1000)
+        await a.uploader.wait_idle()
+        await b.uploader.wait_idle()
+        await trio.sleep(10)  # past the listing ttl: A sees B's shard before it renames
+        await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+        await a.uploader.wait_idle()
+        assert data_keys(store) == {"step_1/", "step_1/shard_0", "step_1/shard_1"}
+        assert any(k.startswith(MOVED) for k in store_named(store))
+        for _ in range(3):  # ls -R a few times, as a user would
+            await trio.sleep(10)
+            await list_all(b.fs)
+            await b.uploader.wait_idle()
+        assert data_keys(store) == {"step_1/", "step_1/shard_0", "step_1/shard_1"}
+        with pytest.raises(NotFound):
+            await ino_of(b.fs, "step_1.tmp/shard_1")
+        assert await read(b.fs, "step_1/shard_1") == b"b" * 1000
+        assert await read(b.fs, "step_1/shard_0") == b"a" * 1000
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_lost_object_without_a_move_record_is_uploaded_again(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """The store lost it (no record says why): the local copy goes up again."""
+    async with trio.open_nursery() as nursery:
+        b = await nursery.start(run_node, tmp_path / "b", store)
+        await b.write("step_1/shard_1", b"b" * 1000)
+        await b.uploader.wait_idle()
+        del store_named(store)["step_1/shard_1"]
+        await trio.sleep(10)
+        await list_all(b.fs)
+        await b.uploader.wait_idle()
+        assert store_named(store)["step_1/shard_1"].body == b"b" * 1000
+        await b.stop()
+
+
+async def test_a_move_record_older_than_the_commit_is_not_followed(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """``step_1.tmp`` renamed once, then written again here and lost: not the same file."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        await a.write("x.tmp/f", b"1" * 100)
+        await a.uploader.wait_idle()
+        await a.fs.rename(ROOT_INODE, b"x.tmp", ROOT_INODE, b"x")
+        await a.uploader.wait_idle()
+        await trio.sleep(1)
+        b = await nursery.start(run_node, tmp_path / "b", store)
+        await b.write("x.tmp/f", b"1" * 100)  # the same bytes, written after the rename
+        await b.uploader.wait_idle()
+        del store_named(store)["x.tmp/f"]
+        await trio.sleep(10)
+        await list_all(b.fs)
+        await b.uploader.wait_idle()
+        assert "x.tmp/f" in store_named(store)
+        await a.stop()
+        await b.stop()
