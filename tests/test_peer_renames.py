@@ -16,7 +16,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_INODE
 from ckptfs.peers import MOVED, move_roots
 from ckptfs.tiers.memory import store_named
-from tests.cluster import Node, run_node
+from tests.cluster import run_node
 
 
 @pytest.fixture
