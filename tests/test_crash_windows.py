@@ -14,7 +14,9 @@ import pytest
 import trio
 
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
+from ckptfs.fs import RENAME_EXCHANGE
 from ckptfs.journal import ROOT_INODE, Row, State
+from ckptfs.keys import PARKING_PREFIX
 from ckptfs.tiers.memory import MemoryTier, store_named
 from ckptfs.upload import is_marker
 from tests.test_read_path import node
@@ -220,3 +222,49 @@ async def test_renamed_tree_moves_its_markers_after_the_deeper_shards(
     assert set(landed) == {f"step_2/{marker}"}
     assert shards <= landed[f"step_2/{marker}"], \
         f"the marker landed before {sorted(shards - landed[f'step_2/{marker}'])}"
+
+
+# -- (d) a directory swap killed halfway through its parking (keys.py rule 2) ---------------
+
+
+@pytest.mark.parametrize("kill_at", ["parked, not journalled", "parked and journalled"])
+async def test_restart_in_the_middle_of_a_directory_swap(
+    tmp_path: Path, store: str, kill_at: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """``RENAME_EXCHANGE`` of ``cur`` and ``nxt`` (both hold an evicted ``model.pt``): the
+    moves form a ring, one copy is parked. Killed right after the parking copy (before the
+    journal knows it holds the file) or right after the parking (at the next move): the
+    restart brings each copy to its new key and leaves no parked copy behind."""
+    root = tmp_path / "a"
+    files = {"cur/model.pt": DATA, "nxt/model.pt": DATA[::-1]}
+    async with node(root, store) as a:
+        for path, data in files.items():
+            await a.write(path, data)
+        await a.sync()
+        for name in ("cur", "nxt"):
+            a.fs.evict_tree((await a.resolve(name)).ino)
+    async with node(root, store) as a:
+        copy = a.tier.copy
+
+        async def dying_copy(src: str, dst: str, **kw: object) -> object:
+            parking = dst.startswith(PARKING_PREFIX)
+            if parking and kill_at == "parked, not journalled":
+                await copy(src, dst, **kw)  # type: ignore[arg-type]
+                await trio.sleep_forever()
+            if not parking and kill_at == "parked and journalled":
+                await trio.sleep_forever()
+            return await copy(src, dst, **kw)  # type: ignore[arg-type]
+
+        a.tier.copy = dying_copy  # type: ignore[assignment,method-assign]
+        await a.fs.rename(ROOT_INODE, b"cur", ROOT_INODE, b"nxt", RENAME_EXCHANGE)
+        await trio.sleep(5)
+    objects = store_named(store)
+    assert any(k.startswith(PARKING_PREFIX) for k in objects)  # killed with a parked copy
+    async with node(root, store) as a:
+        with trio.fail_after(3600):
+            await a.sync()
+        assert objects["cur/model.pt"].body == DATA[::-1]
+        assert objects["nxt/model.pt"].body == DATA
+        assert not [k for k in objects if k.startswith(PARKING_PREFIX)]
+        assert await a.read("cur/model.pt") == DATA[::-1]
+        assert await a.read("nxt/model.pt") == DATA
