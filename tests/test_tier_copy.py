@@ -126,6 +126,33 @@ async def test_s3_unpinned_multipart_copy_of_a_changing_source_is_retried(
     await tier.aclose()
 
 
+async def test_file_tier_copies_the_inode_it_checked(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file tier checks the tag on the inode it then links: a new version renamed over
+    the source right after the check is not what lands at the target."""
+    import ckptfs.tiers.local as local
+
+    tier = FileTier("warm", f"file://{tmp_path}/store", tmp_path / "store")
+    src, data, meta = put_source(tmp_path, 5000)
+    tag = await tier.put_file("ckpt", src, len(data), meta)
+    real_check = local._check_tag
+
+    def check_then_rewrite(st: os.stat_result, expected: str | None, key: str) -> None:
+        real_check(st, expected, key)
+        newer = tmp_path / "store" / ".newer"
+        newer.write_bytes(b"the next checkpoint")
+        os.replace(newer, tmp_path / "store" / "ckpt")  # another node's put lands
+
+    monkeypatch.setattr(local, "_check_tag", check_then_rewrite)
+    await tier.copy("ckpt", "ckpt.prev", if_etag=tag)
+    monkeypatch.setattr(local, "_check_tag", real_check)
+    assert (tmp_path / "store/ckpt.prev").read_bytes() == data
+    assert (await tier.head("ckpt.prev")).meta.checksum == meta.checksum
+    with pytest.raises(PreconditionFailed):
+        await tier.copy("ckpt", "ckpt.prev", if_etag=tag)
+    assert (tmp_path / "store/ckpt.prev").read_bytes() == data
+
+
 # -- item 3: metadata through multipart copies, promote, transfers between tiers --------------
 
 

@@ -735,8 +735,10 @@ def _copy_open(fd: int, dst_dir: int, dst_name: str) -> None:
         os.link(f"/proc/self/fd/{fd}", dst_name, dst_dir_fd=dst_dir, follow_symlinks=True)
         return
     except FileNotFoundError:
-        if os.fstat(fd).st_nlink == 0:
-            raise  # deleted since it was opened: the source is missing
+        if os.fstat(fd).st_nlink != 0:
+            raise
+        # Replaced or deleted since it was opened (checked): linkat(2) refuses an inode with
+        # no name left, but it is still the version asked for, and readable.
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP,
                              errno.EACCES):
