@@ -18,8 +18,8 @@ Invariants (issue 15, item 8: a copy is checked before the warm copy may go):
   it is put: a streamed copy sums the bytes as they arrive, a file-tier source is summed
   from the open file that is then put, a copy from NVMe (``put_checked``) is summed like an
   upload. A mismatch is ``CopyMismatch`` and nothing is written to the target. The copy
-  carries the whole-file CRC32C and the per-block CRCs (computed where the source had none),
-  so that reads of it are verified like reads of an upload.
+  carries the whole-file CRC32C and the per-block CRCs of the bytes put (computed here, so
+  present even where the source had none): reads of it are verified like reads of an upload.
 - A server-side copy moves no data through the node; the store checks its own copies, and
   ``verify`` checks what the copy says about itself.
 - ``verify`` heads the copy: same size, the checksum recorded for the data (a copy lacking
@@ -46,6 +46,9 @@ from ckptfs.tiers.base import Kind, ObjectMeta, Tier, TierError
 
 STREAM_CHUNK = 64 * 1024 * 1024
 _SUM_CHUNK = 8 * 1024 * 1024
+# Summed on the trio thread up to this size, as the uploader does: a thread hop costs more,
+# and simulations with the autojump clock stay deterministic (it jumps while a thread runs).
+_INLINE_SUMS = 256 * 1024
 
 
 class CopyMismatch(TierError):
@@ -114,7 +117,10 @@ async def put_checked(dst: Tier, key: str, source: Path, size: int, meta: Object
     at ``key`` of ``dst`` like an upload does: summed first (whole and per block), refused
     with ``CopyMismatch`` unless it matches the recorded checksum ``expected``."""
     try:
-        checksum, sums = await trio.to_thread.run_sync(file_sums, source, size, min_block)
+        if size <= _INLINE_SUMS:
+            checksum, sums = file_sums(source, size, min_block)
+        else:
+            checksum, sums = await trio.to_thread.run_sync(file_sums, source, size, min_block)
     except OSError as exc:
         raise CopyMismatch(f"{key}: reading {source} for the copy: {exc}") from exc
     await dst.put_file(key, source, size, checked_meta(key, meta, expected, checksum, sums))
@@ -202,7 +208,10 @@ async def _stream(src: Tier, dst: Tier, key: str, size: int, meta: ObjectMeta,
             if n <= 0:
                 raise TierError(f"{src.url}: {key} ended after {done} of {size} bytes")
             # Summed as it arrives, from what landed in the scratch file (what will be put).
-            await trio.to_thread.run_sync(sums.update_from, fd, done, n)
+            if n <= _INLINE_SUMS:
+                sums.update_from(fd, done, n)
+            else:
+                await trio.to_thread.run_sync(sums.update_from, fd, done, n)
             done += n
         checksum, blocks = sums.result()
         await dst.put_file(key, Path(name), size,
