@@ -66,7 +66,7 @@ from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.lease import Holder, Lease
 from ckptfs.tiers.base import CONTROL_PREFIX, Kind, ObjectInfo, ObjectMeta, Tier
-from ckptfs.tiers.transfer import copy_object, verify
+from ckptfs.tiers.transfer import CopyMismatch, copy_object, put_checked, verify
 
 if TYPE_CHECKING:
     from ckptfs.fs import Filesystem
@@ -682,13 +682,25 @@ class Retention:
                     raise RetentionError(f"{key} is not on NVMe any more")
                 meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid,
                                   row.gid, row.checksum)
-                await dst.put_file(key, self.fs.staging.path(row.ino), size, meta)
+                # Summed like an upload (whole and per block) and checked against the
+                # journal's checksum before it is put: NVMe pages lost in a power loss
+                # never reach another tier labelled with the good checksum.
+                checksum = checksum or row.checksum
+                await put_checked(dst, key, self.fs.staging.path(row.ino), size, meta,
+                                  checksum)
             else:
                 src = self.tiers[action.source]
                 if checksum is None:
                     checksum = (await src.head(key)).meta.checksum
-                await copy_object(src, dst, key, size, self._scratch())
-            await verify(dst, key, size, checksum)
+                await copy_object(src, dst, key, size, self._scratch(), checksum)
+            try:
+                await verify(dst, key, size, checksum)
+            except CopyMismatch:
+                # Not a copy anyone may rely on: gone, so that no later listing counts it
+                # (unless the copy was in place: then it is the only one).
+                if self.policy.tier(action.tier).location != self.policy.tier(action.source).location:
+                    await dst.delete(key)
+                raise
 
     def _scratch(self) -> Path:
         if self.scratch is not None:

@@ -51,13 +51,15 @@ def watch_markers(monkeypatch: pytest.MonkeyPatch, copy_bandwidth: float | None 
     seen: dict[str, set[str]] = {}
     real_copy = MemoryTier.copy
 
-    async def copy(self: MemoryTier, src: str, dst: str) -> None:
+    async def copy(self: MemoryTier, src: str, dst: str, *,
+                   if_etag: str | None = None) -> str | None:
         source = self.objects.get(src)
         if copy_bandwidth and source is not None:
             await trio.sleep(len(source.body) / copy_bandwidth)
-        await real_copy(self, src, dst)
+        tag = await real_copy(self, src, dst, if_etag=if_etag)
         if _marker(dst):
             seen[dst] = set(self.objects)
+        return tag
 
     monkeypatch.setattr(MemoryTier, "copy", copy)
     return seen

@@ -10,6 +10,7 @@ leaf is an object of its own (the link itself is listed, copied, replaced or del
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, PreconditionFaile
 from ckptfs.tiers.local import TMP_MARK, FileTier, SymlinkInStore
 from ckptfs.tiers.memory import MemoryTier
 from ckptfs.tiers.transfer import copy_object
+from ckptfs.upload import file_checksum
 
 SECRET = b"outside the store: never read, written or deleted"
 META = ObjectMeta(Kind.FILE, 0o640, 1_700_000_000_000_000_000, os.getuid(), os.getgid(),
@@ -286,9 +288,11 @@ async def test_transfer_from_a_file_tier_does_not_follow(store: Store) -> None:
     await copy_object(store.tier, dst, "a/file", 0, store.scratch)
     info = await dst.head("a/file")
     assert info.meta.kind is Kind.SYMLINK and info.meta.target == str(store.outside / "secret")
-    # And a real object still travels, without a temporary copy.
+    # And a real object still travels, without a temporary copy (its data summed on the
+    # way: it must match the recorded checksum).
     data = store.source.read_bytes()
-    await store.tier.put_file("step_2/model.pt", store.source, len(data), META)
+    meta = dataclasses.replace(META, checksum=file_checksum(store.source, len(data)))
+    await store.tier.put_file("step_2/model.pt", store.source, len(data), meta)
     await copy_object(store.tier, dst, "step_2/model.pt", len(data), store.scratch)
     assert dst.objects["step_2/model.pt"].body == data
     assert list(store.scratch.iterdir()) == [store.source]

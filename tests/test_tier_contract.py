@@ -1,6 +1,7 @@
 """One contract, every tier kind: memory, a local directory (file://), and S3 over real HTTP.
 
-The S3 tier talks to moto's server on 127.0.0.1 exactly as it would to AWS.
+The S3 tier talks to moto's server on 127.0.0.1 exactly as it would to AWS (with the
+copy preconditions real servers enforce and moto does not: tests/s3conditions.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ckptfs.tiers.local import TMP_MARK, FileTier
 from ckptfs.tiers.memory import MemoryTier
 from ckptfs.tiers.s3 import MIN_PART_SIZE, S3Tier
 from ckptfs.upload import file_checksum
+from tests.s3conditions import count_calls, honour_copy_conditions, refuse_plain_self_copy
 from tests.s3server import S3Server
 
 KINDS = ["memory", "file", "s3"]
@@ -36,6 +38,9 @@ async def tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
         bucket = server.new_bucket()
         t = S3Tier("warm", f"s3://{bucket}/run1", endpoint_url=server.endpoint,
                    part_size=MIN_PART_SIZE, part_concurrency=3)
+        # moto as a real server answers: CopySourceIfMatch honoured, no plain self-copy.
+        honour_copy_conditions(t.client)
+        refuse_plain_self_copy(t.client)
     await t.check()
     yield t
     await t.aclose()
@@ -106,6 +111,68 @@ async def test_overwrite_copy_delete(tier: Tier, tmp_path: Path) -> None:
         await tier.head("x")
     with pytest.raises(ObjectMissing):
         await read_back(tier, "x", 10, tmp_path)
+
+
+async def test_copy_is_pinned_to_the_source_tag(tier: Tier, tmp_path: Path) -> None:
+    """Issue 15 item 1: a copy names the version it copies; a rewritten source is refused,
+    a missing one is missing, and copying does not change the source's own tag (a pinned
+    copy retried after an error must still find it)."""
+    a, data_a = make_file(tmp_path, 3000, "a")
+    b, data_b = make_file(tmp_path, 5000, "b")
+    old = await tier.put_file("ckpt", a, len(data_a), META)
+    assert old is not None
+    new_tag = await tier.copy("ckpt", "ckpt.prev", if_etag=old)
+    assert new_tag is None or (await tier.head("ckpt.prev")).etag == new_tag
+    assert await read_back(tier, "ckpt.prev", 10_000, tmp_path) == data_a
+    assert (await tier.head("ckpt")).etag == old  # copying it did not change its tag
+    await tier.copy("ckpt", "ckpt.prev", if_etag=old)  # a retry finds it as it was
+    assert await read_back(tier, "ckpt.prev", 10_000, tmp_path) == data_a
+    # The new checkpoint lands at the source: the old tag must not copy it.
+    await tier.put_file("ckpt", b, len(data_b), META)
+    with pytest.raises(PreconditionFailed):
+        await tier.copy("ckpt", "elsewhere", if_etag=old)
+    with pytest.raises(ObjectMissing):
+        await tier.head("elsewhere")
+    assert await read_back(tier, "ckpt.prev", 10_000, tmp_path) == data_a
+    with pytest.raises(ObjectMissing):
+        await tier.copy("nothing-here", "elsewhere", if_etag=old)
+    with pytest.raises(ObjectMissing):
+        await tier.copy("nothing-here", "elsewhere")
+    # Unpinned, it copies whatever is there.
+    await tier.copy("ckpt", "elsewhere")
+    assert await read_back(tier, "elsewhere", 10_000, tmp_path) == data_b
+
+
+FULL_META = ObjectMeta(Kind.FILE, 0o600, 1_700_000_000_987_654_321, os.getuid() + 1,
+                       os.getgid() + 2, "crc32c:0badf00d", blocks="1048576:AAAAAA==")
+
+
+async def test_large_copy_keeps_every_piece_of_metadata(tier: Tier, tmp_path: Path) -> None:
+    """Issue 15 item 3: a copy at or above the size where S3 must copy in parts (5 GiB;
+    lowered here so that the multipart path runs on a small object) keeps mode, owner,
+    mtime, checksum and block CRCs."""
+    calls: dict[str, int] = {}
+    if isinstance(tier, S3Tier):
+        calls = count_calls(tier.client)
+        tier.copy_threshold = tier.copy_part_size = MIN_PART_SIZE
+    size = 2 * MIN_PART_SIZE + 12345
+    src, data = make_file(tmp_path, size)
+    if os.geteuid() != 0 and isinstance(tier, FileTier):
+        meta = ObjectMeta(Kind.FILE, 0o600, FULL_META.mtime_ns, os.getuid(), os.getgid(),
+                          FULL_META.checksum, blocks=FULL_META.blocks)  # chown needs root
+    else:
+        meta = FULL_META
+    tag = await tier.put_file("step_1.tmp/shard_0", src, size, meta)
+    await tier.copy("step_1.tmp/shard_0", "step_1/shard_0", if_etag=tag)
+    info = await tier.head("step_1/shard_0")
+    assert info.size == size and info.meta == meta
+    assert await read_back(tier, "step_1/shard_0", size, tmp_path) == data
+    if isinstance(tier, S3Tier):
+        assert calls.get("UploadPartCopy") == 3, calls  # the multipart path did run
+        # promote: a self-copy (changing only the class), REPLACE with the same metadata.
+        await tier.promote("step_1/shard_0")
+        assert (await tier.head("step_1/shard_0")).meta == meta
+        assert await read_back(tier, "step_1/shard_0", size, tmp_path) == data
 
 
 async def test_symlinks_and_directories(tier: Tier, tmp_path: Path) -> None:

@@ -16,7 +16,12 @@ Invariants every implementation keeps (tests/test_tier_contract.py checks them):
 - Every operation is idempotent (deleting a missing key succeeds), so replaying the journal
   after a crash is always safe.
 - Errors are ``StoreUnavailable`` (transient: retry later) or ``TierError`` (permanent);
-  ``NotFound`` for a missing key.
+  ``ObjectMissing`` for a missing key; ``PreconditionFailed`` when a conditional operation
+  (``put_small`` with ``if_absent``/``if_tag``, ``copy`` with ``if_etag``) finds another
+  version than the one named.
+- ``copy`` keeps every piece of metadata (``ObjectMeta``: mode, owner, checksum, block CRCs)
+  whatever the object's size, and a pinned copy (``if_etag``) copies that version or fails:
+  never a mix of versions, never the bytes of a version written after the caller looked.
 - Blocking client calls run in worker threads, never on the trio thread.
 
 Small objects (``put_small``/``get_small``) carry coordination state between the nodes that
@@ -62,7 +67,8 @@ class TierError(StoreRefused):
 
 
 class PreconditionFailed(CkptfsError):
-    """A conditional ``put_small`` found the object not as the caller expected."""
+    """A conditional write (``put_small``) or a pinned ``copy`` found the object not as the
+    caller expected: its tag is not the one given (the key was rewritten meanwhile)."""
 
 
 class ObjectMissing(CkptfsError):
@@ -259,8 +265,12 @@ class Tier(abc.ABC):
         """The body and tag of a small object; ``ObjectMissing`` if absent."""
 
     @abc.abstractmethod
-    async def copy(self, src: str, dst: str) -> None:
-        """Server-side copy (same tier), keeping metadata."""
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
+        """Server-side copy of ``src`` to ``dst`` (same tier), keeping all metadata; ``dst``
+        appears atomically. With ``if_etag``, only if ``src`` still has that tag (its
+        ``ObjectInfo.etag``): the copy is then of exactly that version or nothing
+        (``PreconditionFailed``), however the key is rewritten meanwhile. ``ObjectMissing``
+        if ``src`` is absent. Returns the new object's tag when the store tells it."""
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:

@@ -130,9 +130,9 @@ class FaultyTier(Tier):
         await self._gate("get_small")
         return await self.inner.get_small(key)
 
-    async def copy(self, src: str, dst: str) -> None:
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
         await self._gate("copy")
-        await self.inner.copy(src, dst)
+        return await self.inner.copy(src, dst, if_etag=if_etag)
 
     async def delete(self, key: str) -> None:
         await self._gate("delete")

@@ -9,7 +9,11 @@ Invariants:
   over the target and fsyncs the directory: readers never see a partial file. Temporary names
   are never listed and are removed when a put fails or is cancelled.
 - Copy is a hard link where the filesystem allows it (a rename on the store costs no data
-  copy), a streamed copy otherwise.
+  copy), a streamed copy otherwise. The source is opened once; a pinned copy (``if_etag``)
+  checks the tag on that open inode and links or reads that inode, so what lands is the
+  version the caller named even if a put renames a new one over the source meanwhile.
+- An object's tag (``_tag``) is its inode, size, mtime, mode and owner, never ctime: copying
+  an object (a hard link) must not change its tag.
 - All blocking I/O runs in worker threads in chunks, so cancellation is seen between chunks.
 - Nothing beneath the root is reached through a symlink. Anyone who can write the store could
   plant one (``step_1 -> /etc``), and ckptfs often runs as root: following it would write, read
@@ -368,11 +372,11 @@ class FileTier(Tier):
         result: list[ObjectInfo] = await self._run(scan)
         return result
 
-    async def copy(self, src: str, dst: str) -> None:
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
         src_parents, src_name = self._split(src)
         dst_parents, dst_name = self._split(dst)
 
-        def do_copy() -> None:
+        def do_copy() -> str:
             src_dir = self._open_dir(src_parents, create=False)
             try:
                 dst_dir = self._open_dir(dst_parents, create=True)
@@ -381,19 +385,36 @@ class FileTier(Tier):
                     try:
                         st = os.stat(src_name, dir_fd=src_dir, follow_symlinks=False)
                         if stat.S_ISLNK(st.st_mode):
-                            # The link itself (an object of the mount), not what it names.
-                            os.symlink(os.readlink(src_name, dir_fd=src_dir), tmp,
-                                       dir_fd=dst_dir)
+                            # The link itself (an object of the mount), not what it names;
+                            # the same link before and after reading it is that version.
+                            _check_tag(st, if_etag, src)
+                            target = os.readlink(src_name, dir_fd=src_dir)
+                            again = os.stat(src_name, dir_fd=src_dir, follow_symlinks=False)
+                            _check_tag(again, _tag(st), src)
+                            os.symlink(target, tmp, dir_fd=dst_dir)
                         else:
+                            # Opened once: the tag is checked on the inode that is then
+                            # linked or read, whatever is renamed over ``src`` meanwhile.
                             try:
+                                fd = _open_leaf(src_dir, src_name, src)
+                            except PermissionError:
+                                # Unreadable to this (non-root) daemon: link by name, then
+                                # check the inode that was linked.
                                 os.link(src_name, tmp, src_dir_fd=src_dir, dst_dir_fd=dst_dir,
                                         follow_symlinks=False)
-                            except OSError as exc:
-                                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK,
-                                                     errno.ENOTSUP):
-                                    raise
-                                _full_copy(src_dir, src_name, src, dst_dir, tmp)
+                                linked = _lstat_at(dst_dir, tmp)
+                                if not stat.S_ISREG(linked.st_mode):
+                                    raise TierError(f"{src} is not a regular file in the store")
+                                _check_tag(linked, if_etag, src)
+                                _publish(dst_dir, tmp, dst_name, dst)
+                                return _tag(_lstat_at(dst_dir, dst_name))
+                            try:
+                                _check_tag(os.fstat(fd), if_etag, src)
+                                _copy_open(fd, dst_dir, tmp)
+                            finally:
+                                os.close(fd)
                         _publish(dst_dir, tmp, dst_name, dst)
+                        return _tag(_lstat_at(dst_dir, dst_name))
                     except BaseException:
                         _unlink_quiet_at(dst_dir, tmp)
                         raise
@@ -402,7 +423,8 @@ class FileTier(Tier):
             finally:
                 os.close(src_dir)
 
-        await self._run(do_copy, key=src)
+        tag: str = await self._run(do_copy, key=src)
+        return tag
 
     async def delete(self, key: str) -> None:
         parents, name = self._split(key)
@@ -698,27 +720,51 @@ def _publish(dir_fd: int, tmp: str, name: str, key: str) -> None:
     os.fsync(dir_fd)
 
 
-def _full_copy(src_dir: int, src_name: str, key: str, dst_dir: int, dst_name: str) -> None:
-    fin = _open_leaf(src_dir, src_name, key)
+def _check_tag(st: os.stat_result, expected: str | None, key: str) -> None:
+    if expected is not None and _tag(st) != expected:
+        raise PreconditionFailed(f"{key}: changed (tag {_tag(st)}, expected {expected})")
+
+
+def _copy_open(fd: int, dst_dir: int, dst_name: str) -> None:
+    """Make ``dst_name`` in ``dst_dir`` a copy of the open regular file ``fd``: a hard link to
+    its inode where the filesystem allows it (through /proc/self/fd, which names this open
+    file, not a path resolved again), a full copy otherwise."""
     try:
-        fout = os.open(dst_name, _CREATE_OPEN, 0o600, dir_fd=dst_dir)
-        try:
-            offset = 0
-            while n := _copy_chunk(fin, fout, offset, CHUNK):
-                offset += n
-            st = os.fstat(fin)
-            os.fchmod(fout, stat.S_IMODE(st.st_mode))
-            os.utime(fout, ns=(st.st_mtime_ns, st.st_mtime_ns))
-            for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS):
-                try:
-                    os.setxattr(fout, name, os.getxattr(fin, name))
-                except OSError:
-                    pass
-            os.fsync(fout)
-        finally:
-            os.close(fout)
+        # AT_SYMLINK_FOLLOW on the magic link is how linkat(2) links an open file without
+        # CAP_DAC_READ_SEARCH (AT_EMPTY_PATH needs it); nothing in the store is followed.
+        os.link(f"/proc/self/fd/{fd}", dst_name, dst_dir_fd=dst_dir, follow_symlinks=True)
+        return
+    except FileNotFoundError:
+        if os.fstat(fd).st_nlink != 0:
+            raise
+        # Replaced or deleted since it was opened (checked): linkat(2) refuses an inode with
+        # no name left, but it is still the version asked for, and readable.
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP,
+                             errno.EACCES):
+            raise
+    _full_copy(fd, dst_dir, dst_name)
+
+
+def _full_copy(fin: int, dst_dir: int, dst_name: str) -> None:
+    fout = os.open(dst_name, _CREATE_OPEN, 0o600, dir_fd=dst_dir)
+    try:
+        offset = 0
+        while n := _copy_chunk(fin, fout, offset, CHUNK):
+            offset += n
+        st = os.fstat(fin)
+        os.fchmod(fout, stat.S_IMODE(st.st_mode))
+        if os.geteuid() == 0:
+            os.fchown(fout, st.st_uid, st.st_gid)
+        for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS):
+            try:
+                os.setxattr(fout, name, os.getxattr(fin, name))
+            except OSError:
+                pass
+        os.utime(fout, ns=(st.st_mtime_ns, st.st_mtime_ns))
+        os.fsync(fout)
     finally:
-        os.close(fin)
+        os.close(fout)
 
 
 def _info(dir_fd: int, name: str, key: str) -> ObjectInfo:
@@ -745,5 +791,9 @@ def _info(dir_fd: int, name: str, key: str) -> ObjectInfo:
 
 
 def _tag(st: os.stat_result) -> str:
-    # A rewrite is a new inode (tmp + rename); an in-place change moves mtime or ctime.
-    return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}-{st.st_ctime_ns:x}"
+    # A rewrite is a new inode (tmp + rename); an in-place change moves the size or mtime,
+    # an in-place chmod/chown the mode or owner. Not ctime: a copy hard-links the source,
+    # which moves its ctime, and a source's tag must not change because it was copied (a
+    # pinned copy retried after an error would refuse it).
+    return (f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}-{st.st_mode:o}-"
+            f"{st.st_uid:x}-{st.st_gid:x}")

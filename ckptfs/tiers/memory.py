@@ -91,12 +91,15 @@ class MemoryTier(Tier):
             for k, o in sorted((k, o) for k, o in self.objects.items() if k.startswith(prefix))
         ]
 
-    async def copy(self, src: str, dst: str) -> None:
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
         await trio.lowlevel.checkpoint()
         obj = self.objects.get(src)
         if obj is None:
             raise ObjectMissing(src)
-        self.objects[dst] = _Object(obj.body, obj.meta)
+        if if_etag is not None and obj.tag != if_etag:
+            raise PreconditionFailed(f"{src}: changed (tag {obj.tag}, expected {if_etag})")
+        new = self.objects[dst] = _Object(obj.body, obj.meta)
+        return new.tag
 
     async def delete(self, key: str) -> None:
         await trio.lowlevel.checkpoint()

@@ -13,6 +13,18 @@ Invariants:
   left behind for keys this node owns.
 - botocore sends an integrity checksum with every PutObject/UploadPart (when_supported), and
   our own whole-file CRC32C travels as ``x-amz-meta-ckptfs-checksum``.
+- Every server-side copy (``copy``, ``promote``, and transfer.py's copies between tiers
+  behind one endpoint) goes through ``copy_from``, which keeps all of the source's user
+  metadata and content headers at any size. Below ``copy_threshold`` it is one CopyObject;
+  from there on our own multipart copy: CreateMultipartUpload carrying the source's metadata
+  and the wanted storage class, UploadPartCopy of ``copy_part_size`` ranges, each pinned with
+  CopySourceIfMatch to the ETag the HEAD saw (so the parts are of one version), Complete;
+  aborted on any failure. (boto3's managed copy drops the user metadata when it goes
+  multipart: s3transfer does not pass MetadataDirective on.)
+- A pinned copy (``if_etag``) sends CopySourceIfMatch: a 412 is ``PreconditionFailed``.
+- A copy of an object onto itself (``promote``, an in-place storage-class transition) uses
+  MetadataDirective=REPLACE with the metadata the HEAD read, pinned to its ETag: some servers
+  (SeaweedFS) refuse a self-copy with COPY whatever else changes.
 """
 
 from __future__ import annotations
@@ -45,6 +57,13 @@ from ckptfs.tiers.base import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_PART_SIZE = 5 * 1024 * 1024
+# CopyObject takes sources up to 5 GiB; above that a copy is multipart (UploadPartCopy).
+COPY_THRESHOLD = 5 * 1024**3
+COPY_PART_SIZE = 256 * 1024**2
+MAX_PARTS = 10_000
+# What a copy carries over besides the user metadata (a multipart copy must name each).
+_CONTENT_HEADERS = ("ContentType", "ContentEncoding", "ContentDisposition", "ContentLanguage",
+                    "CacheControl")
 _TRANSIENT_CODES = {
     "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
     "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
@@ -106,6 +125,9 @@ class S3Tier(Tier):
         self.storage_class = parse_qs(parts.query).get("storage_class", ["STANDARD"])[-1]
         self.part_size = max(part_size, MIN_PART_SIZE)
         self.part_concurrency = part_concurrency
+        # Copies of objects this large or larger are our own multipart copies (copy_from).
+        self.copy_threshold = COPY_THRESHOLD
+        self.copy_part_size = COPY_PART_SIZE
         self._limiter = trio.CapacityLimiter(threads)
         self.client: Any = boto3.session.Session().client(
             "s3",
@@ -150,6 +172,8 @@ class S3Tier(Tier):
                 return ObjectMissing(message)
             if code == "InvalidObjectState":
                 return ObjectArchived(message)
+            if code == "PreconditionFailed" or status == "412":
+                return PreconditionFailed(message)
             if code in _TRANSIENT_CODES or status in _TRANSIENT_CODES:
                 return StoreUnavailable(message)
             return TierError(message)
@@ -371,14 +395,8 @@ class S3Tier(Tier):
 
     async def promote(self, key: str) -> None:
         # A copy onto itself that changes the storage class (allowed for a restored object),
-        # keeping the metadata; managed, so objects over 5 GiB go as a multipart copy.
-        from boto3.s3.transfer import TransferConfig
-
-        full = self._key(key)
-        config = TransferConfig(multipart_threshold=5 * 1024**3, multipart_chunksize=256 * 1024**2,
-                                max_concurrency=self.part_concurrency, use_threads=True)
-        await self._call(self.client.copy, {"Bucket": self.bucket, "Key": full}, self.bucket,
-                         full, ExtraArgs={"StorageClass": self.storage_class}, Config=config)
+        # keeping the metadata (REPLACE with the same metadata: copy_from).
+        await self.copy_from(self.bucket, self._key(key), key)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -396,19 +414,118 @@ class S3Tier(Tier):
                                         etag=obj.get("ETag")))
         return found
 
-    async def copy(self, src: str, dst: str) -> None:
-        from boto3.s3.transfer import TransferConfig
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
+        return await self.copy_from(self.bucket, self._key(src), dst, if_etag=if_etag)
 
-        extra: dict[str, Any] = {}
-        if self.storage_class != "STANDARD":
-            extra["StorageClass"] = self.storage_class
-        config = TransferConfig(multipart_threshold=5 * 1024**3, multipart_chunksize=256 * 1024**2,
-                                max_concurrency=self.part_concurrency, use_threads=True)
-        await self._call(self.client.copy, {"Bucket": self.bucket, "Key": self._key(src)},
-                         self.bucket, self._key(dst), ExtraArgs=extra or None, Config=config)
+    async def copy_from(self, bucket: str, source: str, key: str, *,
+                        if_etag: str | None = None) -> str | None:
+        """Server-side copy of ``s3://bucket/source`` (a full key, of this tier or another
+        one behind the same endpoint) to ``key`` of this tier, in this tier's storage class,
+        with all of the source's metadata, at any size; the new object's ETag. ``if_etag``:
+        only that version of the source (``PreconditionFailed`` otherwise)."""
+        full = self._key(key)
+        try:
+            head = await self._call(self.client.head_object, Bucket=bucket, Key=source)
+        except ObjectMissing:
+            raise ObjectMissing(f"{self.url}: {source}: no such key") from None
+        etag = str(head["ETag"])
+        if if_etag is not None and etag != if_etag:
+            raise PreconditionFailed(f"{self.url}: {source}: changed (ETag {etag}, "
+                                     f"expected {if_etag})")
+        size = int(head.get("ContentLength", 0))
+        onto_itself = bucket == self.bucket and source == full
+        # Always named: a self-copy must change something, a copy from a colder tier must not
+        # keep the source's class.
+        args: dict[str, Any] = {"StorageClass": self.storage_class}
+        if onto_itself:
+            args.update(MetadataDirective="REPLACE", **_content_args(head))
+        try:
+            if size >= self.copy_threshold and size > 0:
+                return await self._multipart_copy(bucket, source, full, size, head, etag, args)
+            # A self-copy rewrites the metadata read above: only onto that version.
+            pin = if_etag if if_etag is not None or not onto_itself else etag
+            reply = await self._call(
+                self.client.copy_object, Bucket=self.bucket, Key=full,
+                CopySource={"Bucket": bucket, "Key": source},
+                **({"CopySourceIfMatch": pin} if pin is not None else {}), **args)
+        except PreconditionFailed:
+            if if_etag is not None:
+                raise
+            # Rewritten while we copied (between HEAD and copy, or between parts): the caller
+            # asked for whatever is there, so a retry will do.
+            raise StoreUnavailable(f"{self.url}: {source} changed during its copy") from None
+        new = reply.get("CopyObjectResult", {}).get("ETag")
+        return str(new) if new else None
+
+    async def _multipart_copy(self, bucket: str, source: str, full: str, size: int,
+                              head: dict[str, Any], etag: str, args: dict[str, Any]) -> str | None:
+        """UploadPartCopy in ``copy_part_size`` ranges, each pinned to ``etag``, into an upload
+        created with the source's metadata and content headers; aborted on any failure."""
+        create = {k: v for k, v in args.items() if k != "MetadataDirective"}
+        create.update(_content_args(head))
+        created = await self._call(self.client.create_multipart_upload, Bucket=self.bucket,
+                                   Key=full, **create)
+        upload_id = created["UploadId"]
+        part = max(self.copy_part_size, MIN_PART_SIZE, -(-size // MAX_PARTS))
+        count = -(-size // part)
+        etags: list[str | None] = [None] * count
+        slots = trio.Semaphore(self.part_concurrency)
+
+        failed: list[Exception] = []
+
+        async def copy_part(number: int, cancel: trio.CancelScope) -> None:
+            first = (number - 1) * part
+            last = min(size, first + part) - 1
+            try:
+                async with slots:
+                    reply = await self._call(
+                        self.client.upload_part_copy, Bucket=self.bucket, Key=full,
+                        UploadId=upload_id, PartNumber=number,
+                        CopySource={"Bucket": bucket, "Key": source}, CopySourceIfMatch=etag,
+                        CopySourceRange=f"bytes={first}-{last}")
+            except Exception as exc:
+                # The first failure is the copy's (as itself, not in an exception group).
+                failed.append(exc)
+                cancel.cancel()
+                return
+            etags[number - 1] = str(reply["CopyPartResult"]["ETag"])
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for number in range(1, count + 1):
+                    nursery.start_soon(copy_part, number, nursery.cancel_scope)
+            if failed:
+                raise failed[0]
+            done: dict[str, Any] = await self._call(
+                self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"ETag": e, "PartNumber": i + 1}
+                                           for i, e in enumerate(etags)]},
+            )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._call(self.client.abort_multipart_upload, Bucket=self.bucket,
+                                     Key=full, UploadId=upload_id)
+                except (StoreUnavailable, TierError, ObjectMissing) as exc:
+                    log.warning("could not abort multipart copy to %s (cleaned up at the "
+                                "next start): %s", full, exc)
+            raise
+        new = done.get("ETag")
+        return str(new) if new else None
 
     async def delete(self, key: str) -> None:
         await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
 
     async def aclose(self) -> None:
         self.client.close()
+
+
+def _content_args(head: dict[str, Any]) -> dict[str, Any]:
+    """The user metadata and content headers of a HEAD reply, as arguments of a write
+    (CreateMultipartUpload, or CopyObject with MetadataDirective=REPLACE)."""
+    args: dict[str, Any] = {"Metadata": dict(head.get("Metadata", {}))}
+    for name in _CONTENT_HEADERS:
+        if head.get(name):
+            args[name] = head[name]
+    return args

@@ -1,22 +1,33 @@
 """Copying objects between tiers (retention), and checking the copy.
 
 ``copy_object`` picks the cheapest way the two stores allow:
-- two S3 tiers behind the same endpoint: a server-side copy (CopyObject, multipart
-  UploadPartCopy above 5 GiB through boto3's managed copy) that sets the target tier's storage
-  class and keeps the metadata; when both tiers are one prefix (``s3://b/p`` and
-  ``s3://b/p?storage_class=GLACIER``) this is an in-place storage-class transition;
+- two S3 tiers behind the same endpoint: a server-side copy (``S3Tier.copy_from``: CopyObject,
+  our own multipart UploadPartCopy from ``copy_threshold`` on) that sets the target tier's
+  storage class and keeps all the metadata at any size; when both tiers are one prefix
+  (``s3://b/p`` and ``s3://b/p?storage_class=GLACIER``) this is an in-place storage-class
+  transition;
 - two memory tiers: the object itself;
 - a file-tier source: the file is the put's source, no temporary copy (opened beneath the
   store root without following symlinks, like every file-tier access: local.py);
 - otherwise a streamed copy: the object is read into a temporary file in ``scratch`` (on the
   staging disk) and put from there.
 
-``verify`` heads the copy: same size, same checksum as recorded at upload (where both are
-known), and the target's storage class. It never reads the data back: an archived copy cannot
-be read, and the stores check every transfer's integrity themselves.
+Invariants (issue 15, item 8: a copy is checked before the warm copy may go):
+- Every copy whose bytes pass through this node is checked against the CRC32C recorded for
+  the data (``expected``, from the journal, else the source's ``ckptfs-checksum``) *before*
+  it is put: a streamed copy sums the bytes as they arrive, a file-tier source is summed
+  from the open file that is then put, a copy from NVMe (``put_checked``) is summed like an
+  upload. A mismatch is ``CopyMismatch`` and nothing is written to the target. The copy
+  carries the whole-file CRC32C and the per-block CRCs of the bytes put (computed here, so
+  present even where the source had none): reads of it are verified like reads of an upload.
+- A server-side copy moves no data through the node; the store checks its own copies, and
+  ``verify`` checks what the copy says about itself.
+- ``verify`` heads the copy: same size, the checksum recorded for the data (a copy lacking
+  it is rejected: it would be served unverified), and the target's storage class. It never
+  reads the data back: an archived copy cannot be read.
 
 Everything here uses the public ``Tier`` interface except the S3 server-side copy, which uses
-``S3Tier``'s client (the same client, limiter and error translation as its own calls).
+``S3Tier.copy_from`` (the same client, limiter and error translation as its own calls).
 """
 
 from __future__ import annotations
@@ -27,15 +38,92 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import trio
 
+from ckptfs.integrity import MIN_BLOCK, BlockSums, block_size_for, file_sums, format_crc
 from ckptfs.tiers.base import Kind, ObjectMeta, Tier, TierError
 
 STREAM_CHUNK = 64 * 1024 * 1024
+_SUM_CHUNK = 8 * 1024 * 1024
+# Summed on the trio thread up to this size, as the uploader does: a thread hop costs more,
+# and simulations with the autojump clock stay deterministic (it jumps while a thread runs).
+_INLINE_SUMS = 256 * 1024
 
 
 class CopyMismatch(TierError):
     """A copy does not match its source (size, checksum or storage class)."""
+
+
+class StreamSums:
+    """The whole-object CRC32C and the per-block CRCs (integrity.py's layout) of ``size``
+    bytes fed in order, in pieces of any length."""
+
+    def __init__(self, size: int, min_block: int = MIN_BLOCK) -> None:
+        self.size = size
+        self.block = block_size_for(size, min_block)
+        self.whole = 0
+        self.crcs: list[int] = []
+        self._current = 0
+        self._in_block = 0
+        self.fed = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            piece = view[:self.block - self._in_block]
+            self._current = crc32c.crc32c(piece, self._current)
+            self.whole = crc32c.crc32c(piece, self.whole)
+            self._in_block += len(piece)
+            self.fed += len(piece)
+            view = view[len(piece):]
+            if self._in_block == self.block:
+                self.crcs.append(self._current)
+                self._current, self._in_block = 0, 0
+
+    def update_from(self, fd: int, offset: int, length: int) -> None:
+        """Feed ``length`` bytes of ``fd`` at ``offset`` (read back from the page cache)."""
+        done = 0
+        while done < length:
+            chunk = os.pread(fd, min(_SUM_CHUNK, length - done), offset + done)
+            if not chunk:
+                raise TierError(f"scratch file ended after {offset + done} bytes")
+            self.update(chunk)
+            done += len(chunk)
+
+    def result(self) -> tuple[str, BlockSums]:
+        if self.fed != self.size:
+            raise TierError(f"summed {self.fed} of {self.size} bytes")
+        crcs = self.crcs + ([self._current] if self._in_block else [])
+        return format_crc(self.whole), BlockSums(self.block, tuple(crcs))
+
+
+def checked_meta(key: str, meta: ObjectMeta, expected: str | None, checksum: str,
+                 sums: BlockSums) -> ObjectMeta:
+    """``meta`` for a copy whose data summed to ``checksum`` / ``sums``: ``CopyMismatch`` if
+    the data is not what was recorded (``expected``, else ``meta.checksum``); the copy carries
+    the checksum and the block CRCs computed here."""
+    for recorded in (expected, meta.checksum):
+        if recorded is not None and recorded != checksum:
+            raise CopyMismatch(f"{key}: the data read for the copy has checksum {checksum}, "
+                               f"recorded {recorded}: not copied")
+    # The block CRCs of exactly the bytes put (the source's may be missing or malformed).
+    return dataclasses.replace(meta, checksum=checksum, blocks=sums.encode())
+
+
+async def put_checked(dst: Tier, key: str, source: Path, size: int, meta: ObjectMeta,
+                      expected: str | None, min_block: int = MIN_BLOCK) -> None:
+    """Put ``size`` bytes of the local file ``source`` (NVMe, or an open file-tier object)
+    at ``key`` of ``dst`` like an upload does: summed first (whole and per block), refused
+    with ``CopyMismatch`` unless it matches the recorded checksum ``expected``."""
+    try:
+        if size <= _INLINE_SUMS:
+            checksum, sums = file_sums(source, size, min_block)
+        else:
+            checksum, sums = await trio.to_thread.run_sync(file_sums, source, size, min_block)
+    except OSError as exc:
+        raise CopyMismatch(f"{key}: reading {source} for the copy: {exc}") from exc
+    await dst.put_file(key, source, size, checked_meta(key, meta, expected, checksum, sums))
 
 
 def unwrap(tier: Tier) -> Tier:
@@ -68,8 +156,11 @@ def server_side(src: Tier, dst: Tier) -> bool:
         isinstance(src, MemoryTier) and isinstance(dst, MemoryTier))
 
 
-async def copy_object(src: Tier, dst: Tier, key: str, size: int, scratch: Path) -> None:
-    """Copy ``key`` from ``src`` to ``dst`` (same key), with its metadata."""
+async def copy_object(src: Tier, dst: Tier, key: str, size: int, scratch: Path,
+                      expected: str | None = None) -> None:
+    """Copy ``key`` from ``src`` to ``dst`` (same key), with its metadata. ``expected``: the
+    CRC32C recorded for the data (the journal's); a copy through this node whose bytes do not
+    match it (or the source's own recorded checksum) is ``CopyMismatch`` and is not put."""
     from ckptfs.tiers.local import FileTier
     from ckptfs.tiers.memory import MemoryTier
 
@@ -94,28 +185,37 @@ async def copy_object(src: Tier, dst: Tier, key: str, size: int, scratch: Path) 
         return
     if isinstance(src, FileTier):
         # Opened beneath the store root without following symlinks (a path would follow one
-        # planted in the store). The put reads it through /proc/self/fd/N, which names this
-        # open file, not a path resolved again: still no temporary copy.
+        # planted in the store). The sums and the put read it through /proc/self/fd/N, which
+        # names this open file, not a path resolved again: still no temporary copy, and the
+        # bytes summed are the bytes put.
         fd = await src.open_object(key)
         try:
-            await dst.put_file(key, Path(f"/proc/self/fd/{fd}"), info.size, meta)
+            await put_checked(dst, key, Path(f"/proc/self/fd/{fd}"), info.size, meta, expected)
         finally:
             os.close(fd)
         return
-    await _stream(src, dst, key, info.size, meta, scratch)
+    await _stream(src, dst, key, info.size, meta, scratch, expected)
 
 
 async def _stream(src: Tier, dst: Tier, key: str, size: int, meta: ObjectMeta,
-                  scratch: Path) -> None:
+                  scratch: Path, expected: str | None) -> None:
     fd, name = tempfile.mkstemp(prefix=".retention-", suffix=".copy", dir=scratch)
     try:
+        sums = StreamSums(size)
         done = 0
         while done < size:
             n = await src.read_into(key, done, min(STREAM_CHUNK, size - done), fd, done)
             if n <= 0:
                 raise TierError(f"{src.url}: {key} ended after {done} of {size} bytes")
+            # Summed as it arrives, from what landed in the scratch file (what will be put).
+            if n <= _INLINE_SUMS:
+                sums.update_from(fd, done, n)
+            else:
+                await trio.to_thread.run_sync(sums.update_from, fd, done, n)
             done += n
-        await dst.put_file(key, Path(name), size, meta)
+        checksum, blocks = sums.result()
+        await dst.put_file(key, Path(name), size,
+                           checked_meta(key, meta, expected, checksum, blocks))
     finally:
         os.close(fd)
         os.unlink(name)
@@ -132,25 +232,21 @@ async def _read_small(src: Tier, key: str, size: int, scratch: Path) -> str:
 
 
 async def _s3_copy(src: Any, dst: Any, key: str) -> None:
-    from boto3.s3.transfer import TransferConfig
-
-    # Always name the class: a copy onto itself is only allowed when something changes, and
-    # an in-place transition is exactly that.
-    extra = {"StorageClass": dst.storage_class, "MetadataDirective": "COPY"}
-    config = TransferConfig(multipart_threshold=5 * 1024**3, multipart_chunksize=256 * 1024**2,
-                            max_concurrency=dst.part_concurrency, use_threads=True)
-    await dst._call(
-        dst.client.copy, {"Bucket": src.bucket, "Key": src._key(key)},
-        dst.bucket, dst._key(key), ExtraArgs=extra, Config=config)
+    # S3Tier.copy_from keeps the metadata at any size (its own multipart copy from
+    # copy_threshold on) and names the target's class: an in-place transition is a self-copy
+    # with the same metadata.
+    await dst.copy_from(src.bucket, src._key(key), key)
 
 
 async def verify(dst: Tier, key: str, size: int, checksum: str | None) -> None:
-    """Raise ``CopyMismatch`` unless ``dst`` holds ``key`` as expected."""
+    """Raise ``CopyMismatch`` unless ``dst`` holds ``key`` as expected: ``size`` bytes, the
+    recorded ``checksum`` (a copy without one is rejected: its reads could not be verified),
+    the target's storage class."""
     info = await dst.head(key)
     if info.size != size:
         raise CopyMismatch(f"{dst.url}: {key} has {info.size} bytes, expected {size}")
-    if checksum and info.meta.checksum and info.meta.checksum != checksum:
-        raise CopyMismatch(f"{dst.url}: {key} has checksum {info.meta.checksum}, "
+    if checksum is not None and info.meta.checksum != checksum:
+        raise CopyMismatch(f"{dst.url}: {key} has checksum {info.meta.checksum or 'none'}, "
                            f"expected {checksum}")
     wanted = storage_class(dst)
     if wanted != "STANDARD" and info.storage_class != wanted:
