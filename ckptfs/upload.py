@@ -590,7 +590,10 @@ class Uploader:
             info = await self.tier.head(old_key)
             if info.meta.checksum != row.checksum:
                 raise ObjectMissing(old_key)
-            await self.tier.copy(old_key, key)
+            # Pinned to the version just checked (keys.py rule 3): another node writing the
+            # old key in between makes the copy fail with PreconditionFailed, and the retry
+            # checks again, instead of copying its bytes under our new name.
+            await self.tier.copy(old_key, key, if_etag=info.etag)
             if self.coordinator is not None:
                 # Before the old key goes: other nodes holding a copy of this file under the
                 # old name follow the rename instead of uploading it again (peers.py).

@@ -17,8 +17,9 @@ from ckptfs.errors import NotFound
 from ckptfs.fs import RENAME_EXCHANGE
 from ckptfs.journal import ROOT_INODE, State
 from ckptfs.keys import PARKING_PREFIX
-from ckptfs.tiers.base import ObjectInfo, ObjectMeta, Progress
+from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta, Progress
 from ckptfs.tiers.memory import MemoryTier
+from ckptfs.upload import file_checksum
 from tests.test_upload import RecordingTier, Rig, open_rig, rig  # noqa: F401 - the fixture
 
 ROOT = ROOT_INODE
@@ -179,3 +180,30 @@ async def test_local_only_unlink_during_a_put_keeps_the_store_copy(
     assert rig.files() == {"step_1/model.pt": b"m" * 1000}
     with pytest.raises(NotFound):
         await rig.ino("step_1/model.pt")  # hidden here
+
+
+async def test_a_move_copies_only_the_version_it_checked(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """Another node rewrites ``ckpt`` between the move's HEAD and its COPY: the pinned copy
+    refuses, and ``ckpt.prev`` never gets the other node's bytes under our name."""
+    await rig.write("ckpt", b"old" * 1000)
+    await rig.settle()
+    await _evict(rig, "ckpt")
+    head = rig.tier.head
+    other = rig.root / "other-node"
+    other.write_bytes(b"other" * 100)
+
+    async def racing_head(key: str) -> ObjectInfo:
+        info = await head(key)
+        if key == "ckpt" and rig.objects["ckpt"].body == b"old" * 1000:
+            meta = ObjectMeta(Kind.FILE, 0o644, 0, 0, 0, file_checksum(other, 500))
+            await rig.tier.inner.put_file("ckpt", other, 500, meta)
+        return info
+
+    rig.tier.head = racing_head  # type: ignore[method-assign]
+    await rig.fs.rename(ROOT, b"ckpt", ROOT, b"ckpt.prev")
+    with trio.move_on_after(60):
+        await rig.settle()
+    assert rig.objects.get("ckpt.prev") is None or \
+        rig.objects["ckpt.prev"].body == b"old" * 1000
+    assert rig.uploader.failed()  # reported: the only copy of ckpt.prev was overwritten
