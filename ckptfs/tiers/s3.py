@@ -483,7 +483,7 @@ class S3Tier(Tier):
                         UploadId=upload_id, PartNumber=number,
                         CopySource={"Bucket": bucket, "Key": source}, CopySourceIfMatch=etag,
                         CopySourceRange=f"bytes={first}-{last}")
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the abort
                 # The first failure is the copy's (as itself, not in an exception group).
                 failed.append(exc)
                 cancel.cancel()
