@@ -44,6 +44,7 @@ from ckptfs.errors import (
     Unsupported,
 )
 from ckptfs.fetch import Fetcher
+from ckptfs.integrity import file_sums
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.listing import Lister
@@ -170,6 +171,10 @@ def state_label(row: Row) -> str:
     return row.state.value
 
 
+# How often a writer waiting for space asks the uploader to retry failed items at once.
+HURRY_EVERY = 1.0
+
+
 class Filesystem:
     """The core. All methods run on the trio thread; none of them blocks on the network."""
 
@@ -220,28 +225,30 @@ class Filesystem:
         """Replay the journal: purge orphans, mark files left open as incomplete, report strays."""
         self.journal.ensure_root(os.getuid(), os.getgid(), stat.S_IFDIR | 0o755)
         self.ns.replay_fixups()
+        rebooted = self.staging.rebooted()
         with self.journal.transaction():
             for row in self.journal.rows_in_states(State.OPEN):
                 if row.closed_at is not None and not row.incomplete:
-                    # Closed (flushed by its last writer) just before the crash.
-                    actual = self.staging.file_size(row.ino)
-                    row.size = actual if actual is not None else row.size
-                    row.state = State.STAGED
-                    self.journal.update(row)
+                    # Closed (flushed by its last writer) just before the crash: staged, unless
+                    # its data is not what the close recorded (a power loss took pages).
+                    if self.staging.file_size(row.ino) == row.size:
+                        row.state = State.STAGED
+                        self.journal.update(row)
+                    else:
+                        self._mark_incomplete(row, "its data is not the size its close recorded")
                     continue
                 if not row.incomplete:
-                    row.incomplete = True
-                    actual = self.staging.file_size(row.ino)
-                    row.size = actual if actual is not None else 0
+                    self._mark_incomplete(row, "its writer never closed it")
+            for row in self.journal.rows_in_states(State.UPLOADING, State.STAGED):
+                actual = self.staging.file_size(row.ino)
+                if actual is None or actual < row.size:
+                    # A power loss took its tail: an upload would fail at every attempt.
+                    self._mark_incomplete(row, "its data is shorter than its close recorded")
+                elif row.state is State.UPLOADING:
+                    row.state = State.STAGED
                     self.journal.update(row)
-                    log.warning(
-                        "incomplete file (its writer never closed it): %s",
-                        (self.journal.path_of(row.ino) or b"?").decode(errors="replace"),
-                    )
-            for row in self.journal.rows_in_states(State.UPLOADING):
-                row.state = State.STAGED
-                self.journal.update(row)
-            self._repair_committed()
+            self._repair_committed(verify=rebooted)
+        self.journal.make_durable()  # before _remove_remote_leftovers unlinks anything
         for ino in self.journal.inos_with_ranges():
             ranged = self.journal.get(ino)
             if ranged is None or ranged.state is not State.REMOTE:
@@ -253,26 +260,61 @@ class Filesystem:
             log.warning("staging file with no journal entry (kept, not deleted): %s", stray)
         self.space.used = self.journal.local_bytes()
 
-    def _repair_committed(self) -> None:
-        """A COMMITTED file whose data file is missing or shorter than its size is REMOTE.
+    def _mark_incomplete(self, row: Row, why: str) -> None:
+        """Replay found a file that must never be published as it is: incomplete, OPEN (as a
+        file whose writer died is), listed by ``status``, kept at what is left of it, until
+        it is written again or removed. Caller holds a transaction."""
+        actual = self.staging.file_size(row.ino)
+        row.state = State.OPEN
+        row.incomplete = True
+        row.size = actual if actual is not None else 0
+        self.journal.update(row)
+        log.warning("incomplete file (%s): %s", why,
+                    (self.journal.path_of(row.ino) or b"?").decode(errors="replace"))
+
+    def _repair_committed(self, verify: bool) -> None:
+        """A COMMITTED file whose local data is not what was committed is REMOTE.
 
         An eviction cut short by a crash (a power loss that kept the unlink but not the
         journal's REMOTE, or a journal written by an older ckptfs that unlinked first) leaves
-        such a row; served as it is, it would read as zeros or nothing. Its committed copy is
-        in the store, so reads fetch it from there instead. Caller holds a transaction.
+        such a row with a missing or short data file; a power loss can also take pages of a
+        file and keep its size (a rewrite whose OPEN row was lost; data a ckptfs older than
+        the uploader's fdatasync never synced). Served as it is, it would read as zeros or
+        wrong bytes, and be pushed over the good store copy by the next metadata change. Its
+        committed copy is in the store, so reads fetch it from there instead.
+
+        ``verify`` (the machine rebooted since the last start): every local copy is checked
+        against its recorded checksum, which reads all of them; otherwise only sizes are (the
+        page cache kept every byte). Caller holds a transaction.
         """
         for row in self.journal.rows_in_states(State.COMMITTED):
             actual = self.staging.file_size(row.ino)
             if actual is not None and actual >= row.size:
-                continue
+                if not verify or not (row.checksum or "").startswith("crc32c:") \
+                        or self._holds(row):
+                    continue
+                what = "its bytes do not match the committed checksum"
+            else:
+                what = f"{actual} of {row.size} bytes left"
             path = os.fsdecode(self.journal.path_of(row.ino) or b"?")
-            if row.remote_key is None:  # nothing to fetch from: leave it, loudly
-                log.error("committed file %s lost its local data and has no store copy", path)
+            if row.remote_key is None:  # nothing to fetch from: never publish it as it is
+                log.error("committed file %s lost its local data (%s) and has no store copy",
+                          path, what)
+                self._mark_incomplete(row, "lost its local data, no store copy")
                 continue
-            log.warning("committed file %s lost its local data (%s of %d bytes left): it will "
-                        "be read from the store", path, actual, row.size)
+            log.warning("committed file %s lost its local data (%s): it will be read from the "
+                        "store", path, what)
             row.state = State.REMOTE
             self.journal.update(row)
+            # Its data file is no fetched range: _remove_remote_leftovers removes it.
+            self.journal.set_ranges(row.ino, [])
+
+    def _holds(self, row: Row) -> bool:
+        """Whether the local data file of ``row`` has the bytes of its recorded checksum."""
+        try:
+            return file_sums(self.staging.path(row.ino), row.size)[0] == row.checksum
+        except OSError:
+            return False
 
     def _remove_remote_leftovers(self) -> None:
         """A REMOTE file's data file holds only its journaled fetched ranges. One without any
@@ -365,9 +407,12 @@ class Filesystem:
                 raise InvalidArgument("can only truncate a regular file")
             if size < 0:
                 raise InvalidArgument("negative size")
-            await self._reserve(size - row.size)
+            charged = size - row.size
+            await self._reserve(charged)
+            row = self.ns.get(ino)  # a write may have moved the size while we waited
             self._modify_data(row)
             self.staging.truncate(ino, size)
+            self.space.settle(charged, size - row.size)
             row.size = size
             row.mtime_ns = now
             if not self._writers.get(ino):
@@ -732,21 +777,32 @@ class Filesystem:
             row.closed_at = None  # written after a close(2) of another descriptor: still open
             self.ns.persist(row)
             self.listener.cancel(row.ino)  # its place in the upload order is given up
-        growth = offset + len(data) - row.size
-        if growth > 0 and not self.space.try_take(growth):
-            await self._reserve(growth)
+        # A guess: the size may move while this write waits for space (an earlier write to
+        # the file ends, a truncate); what the file really grew by is settled below.
+        reserved = max(offset + len(data) - row.size, 0)
+        if reserved and not self.space.try_take(reserved):
+            await self._reserve(reserved)
         try:
-            written = self.staging.pwrite(handle.fd, data, offset)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            # The disk filled up behind our accounting (other users of the disk): make room
-            # the same way, then try once more.
-            self.space.give_back(max(growth, 0))
-            self.space.remeasure()
-            await self._reserve(len(data), force_evict=True)
-            written = self.staging.pwrite(handle.fd, data, offset)
+            try:
+                written = self.staging.pwrite(handle.fd, data, offset)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # The disk filled up behind our accounting (other users of the disk): make
+                # room the same way, then try once more.
+                self.space.give_back(reserved)
+                reserved = 0
+                self.space.remeasure()
+                await self._reserve(len(data), force_evict=True)
+                reserved = len(data)
+                written = self.staging.pwrite(handle.fd, data, offset)
+        except BaseException:
+            self.space.give_back(reserved)
+            raise
+        row = self.ns.get(handle.ino)
+        before = row.size
         self.ns.note_write(row, offset + written)
+        self.space.settle(reserved, row.size - before)
         self.bytes_written += written
         return written
 
@@ -762,12 +818,17 @@ class Filesystem:
             return
         started = trio.current_time()
         try:
+            hurried = -math.inf
             with trio.move_on_after(self.write_stall_timeout):
                 while True:
                     self._evict(nbytes)
                     if self.space.try_take(nbytes):
                         return
-                    self.listener.hurry()
+                    # hurry() wakes every waiter: two writers waiting here, each hurrying at
+                    # each wake-up, would wake each other forever without a pause.
+                    if trio.current_time() - hurried >= HURRY_EVERY:
+                        hurried = trio.current_time()
+                        self.listener.hurry()
                     await self.listener.wait_progress()
         finally:
             self.stall_seconds += trio.current_time() - started

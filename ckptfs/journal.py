@@ -161,6 +161,7 @@ class Journal:
         self._tomb_seq = 0
         self._recent_tombs: dict[str, int] = {}
         self._listing_marks: list[int] = []
+        self._wal_named = False
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -213,8 +214,32 @@ class Journal:
             self._in_tx = False
 
     def make_durable(self) -> None:
-        """Make every commit so far survive a power loss (fsync of the WAL and database)."""
+        """Make every commit so far survive a power loss (fsync of the WAL and database).
+
+        The WAL is fsynced here, not left to a checkpoint: with ``synchronous = NORMAL`` only
+        a checkpoint syncs it, and a checkpoint that another connection's read snapshot holds
+        back (an offline ``ckptfs retention --plan``) syncs nothing and says so only in a
+        result nobody reads. The PASSIVE checkpoint stays, to keep the WAL short.
+        """
         self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        for name in (f"{self.path}-wal", str(self.path)):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # no WAL: every commit is in the database (synced by its checkpoint)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if not self._wal_named:
+            # The WAL's name in the directory must survive too (SQLite syncs no directory
+            # in WAL mode); once per connection, which keeps the WAL file while it is open.
+            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._wal_named = True
 
     # -- inodes ---------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ server checks who connects (control.py), but cannot list it; every file in it is
     <staging>/journal.db   the journal (journal.py)
     <staging>/data/<ino>   the bytes of inode <ino>, sparse where nothing was written
     <staging>/lock         flock()ed by the one daemon that owns this directory
+    <staging>/boot         the kernel boot id of the last start (``rebooted``)
     <staging>/daemon.log   log of a daemon started in the background
 
 Invariants:
@@ -16,6 +17,8 @@ Invariants:
   so a write through one handle is seen by a read through another at once.
 - Data files are never deleted here on our own initiative: the caller decides (after unlink,
   or, later, after a tier holds a committed copy).
+- A data file's bytes are durable only once ``datasync`` (or an fsync(2) of the user's) returned:
+  the uploader calls it before the journal says COMMITTED.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from ckptfs.errors import UserError
 STAGING_MODE = 0o711
 # Below this much free space a mount is refused: the journal alone needs room to start.
 MIN_FREE_BYTES_TO_MOUNT = 16 * 1024 * 1024
+# Changes at every boot of the kernel: a start with another id than the last one follows a
+# reboot, maybe a power loss, after which data not fsynced may be gone.
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
 
 @dataclass(slots=True)
@@ -130,6 +136,42 @@ class Staging:
             raise self._unusable(exc, "cannot be locked") from None
         self._lock_fd = fd
 
+    def rebooted(self) -> bool:
+        """Whether the machine booted since this staging directory was last started (True
+        the first time: nothing tells otherwise). Records the current boot, durably.
+
+        Only a reboot (a power loss, a kernel crash) loses page-cache data: a daemon that died
+        alone left every byte it wrote in the page cache, to reach the disk anyway."""
+        record = self.root / "boot"
+        try:
+            current = BOOT_ID_FILE.read_text().strip()
+        except OSError:
+            return True  # cannot tell: assume the worst
+        try:
+            last = record.read_text().strip()
+        except FileNotFoundError:
+            last = None
+        if last == current:
+            return False
+        fresh = self.root / "boot.new"
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, f"{current}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(fresh, record)
+        self.sync_dir()
+        return True
+
+    def sync_dir(self) -> None:
+        """Make the names in the staging directory itself durable (a file created or replaced)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         for data in self._open.values():
             os.close(data.fd)
@@ -193,6 +235,15 @@ class Staging:
             os.ftruncate(fd, size)
         finally:
             self.release(ino)
+
+    def datasync(self, ino: int) -> None:
+        """Make ``ino``'s bytes durable (blocking: call it in a worker thread).
+        FileNotFoundError if the file is gone (unlinked meanwhile)."""
+        fd = os.open(self.path(ino), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def sync(fd: int, datasync: bool) -> None:
@@ -278,3 +329,15 @@ class SpaceBudget:
         """``nbytes`` of local data were deleted, evicted or truncated away."""
         self.used = max(0, self.used - nbytes)
         self._headroom += nbytes
+
+    def settle(self, reserved: int, grown: int) -> None:
+        """A change reserved ``reserved`` bytes and grew local data by ``grown`` (negative: it
+        shrank): give back the surplus, or account for the rest. A reservation is a guess made
+        before a wait; the size it was computed from may have moved meanwhile (another write
+        to the same file, a truncate)."""
+        if reserved > grown:
+            self.give_back(reserved - grown)
+        elif grown > reserved:
+            # Written already: accounted for even beyond the limits (the next writer waits).
+            self.used += grown - reserved
+            self._headroom -= grown - reserved

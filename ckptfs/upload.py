@@ -523,6 +523,9 @@ class Uploader:
         source = self.staging.path(row.ino)
         size = row.size
         try:
+            # Durable before it is summed and before the journal says COMMITTED: a committed
+            # local copy may be read, evicted to, or uploaded again after a power loss.
+            await trio.to_thread.run_sync(self.staging.datasync, row.ino)
             if size <= INLINE_SUMS:  # a thread hop costs more than summing a small file
                 checksum, sums = file_sums(source, size, self.min_block)
             else:
