@@ -49,6 +49,7 @@ from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.listing import Lister
 from ckptfs.namespace import Namespace
+from ckptfs.noderun import boot_id, page_cache_lost
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers.base import ARCHIVE_CLASSES
 
@@ -225,7 +226,8 @@ class Filesystem:
         """Replay the journal: purge orphans, mark files left open as incomplete, report strays."""
         self.journal.ensure_root(os.getuid(), os.getgid(), stat.S_IFDIR | 0o755)
         self.ns.replay_fixups()
-        rebooted = self.staging.rebooted()
+        # Reads every committed local copy: only when the page cache may have been lost.
+        rebooted = page_cache_lost(self.staging.root, boot_id())
         with self.journal.transaction():
             for row in self.journal.rows_in_states(State.OPEN):
                 if row.closed_at is not None and not row.incomplete:
@@ -283,9 +285,10 @@ class Filesystem:
         wrong bytes, and be pushed over the good store copy by the next metadata change. Its
         committed copy is in the store, so reads fetch it from there instead.
 
-        ``verify`` (the machine rebooted since the last start): every local copy is checked
-        against its recorded checksum, which reads all of them; otherwise only sizes are (the
-        page cache kept every byte). Caller holds a transaction.
+        ``verify`` (the last run stopped uncleanly and the machine booted since: noderun.py):
+        every local copy is checked against its recorded checksum, which reads all of them;
+        otherwise only sizes are (the page cache kept every byte, or a clean stop synced it).
+        Caller holds a transaction.
         """
         for row in self.journal.rows_in_states(State.COMMITTED):
             actual = self.staging.file_size(row.ino)

@@ -86,19 +86,18 @@ class NodeRun:
         ``incomplete``: files that came back incomplete (reported with the hold)."""
         previous = _read_json(self.root / RUN_FILE)
         self.hold = self._read_hold()
-        if self.hold is None and previous is not None and not previous.get("clean"):
-            before = previous.get("boot_id")
-            if before is None or self.boot is None or before != self.boot:
-                self.hold = Hold(
-                    reason=(
-                        "restarted after an unclean stop and a reboot (power loss or crash: "
-                        "the page cache was lost), so files closed before it may be lost "
-                        f"({incomplete} came back incomplete); it acknowledges no barrier of "
-                        "another node until an operator runs 'ckptfs nodes MOUNT --forget "
-                        f"{node}' (markers then go out without what it lost)"),
-                    since=time.time(), previous_boot_id=before, boot_id=self.boot,
-                    incomplete=incomplete)
-                _write_durable(self.root / HOLD_FILE, self.hold.as_dict())
+        if self.hold is None and page_cache_lost(self.root, self.boot):
+            before = (previous or {}).get("boot_id")
+            self.hold = Hold(
+                reason=(
+                    "restarted after an unclean stop and a reboot (power loss or crash: "
+                    "the page cache was lost), so files closed before it may be lost "
+                    f"({incomplete} came back incomplete); it acknowledges no barrier of "
+                    "another node until an operator runs 'ckptfs nodes MOUNT --forget "
+                    f"{node}' (markers then go out without what it lost)"),
+                since=time.time(), previous_boot_id=before, boot_id=self.boot,
+                incomplete=incomplete)
+            _write_durable(self.root / HOLD_FILE, self.hold.as_dict())
         if self.hold is not None:
             log.error("node %s holds barriers: %s", node, self.hold.reason)
         _write_durable(self.root / RUN_FILE, {"boot_id": self.boot, "clean": False,
@@ -139,6 +138,18 @@ class NodeRun:
         except (KeyError, TypeError, ValueError):
             # Unreadable but present: it was written for a reason; keep holding.
             return Hold(reason=f"{HOLD_FILE} is unreadable: holding until cleared", since=0.0)
+
+
+def page_cache_lost(root: Path, boot: str | None) -> bool:
+    """Whether the last run over ``root`` stopped uncleanly and the machine booted since (or
+    either cannot be told): what it wrote and did not sync may be gone. Read before this
+    run's ``start`` replaces the record (the filesystem core asks at its start, to check
+    local copies: fs.py)."""
+    previous = _read_json(root / RUN_FILE)
+    if previous is None or previous.get("clean"):
+        return False
+    before = previous.get("boot_id")
+    return before is None or boot is None or before != boot
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

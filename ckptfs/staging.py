@@ -7,7 +7,6 @@ server checks who connects (control.py), but cannot list it; every file in it is
     <staging>/journal.db   the journal (journal.py)
     <staging>/data/<ino>   the bytes of inode <ino>, sparse where nothing was written
     <staging>/lock         flock()ed by the one daemon that owns this directory
-    <staging>/boot         the kernel boot id of the last start (``rebooted``)
     <staging>/daemon.log   log of a daemon started in the background
 
 Invariants:
@@ -35,9 +34,6 @@ from ckptfs.errors import UserError
 STAGING_MODE = 0o711
 # Below this much free space a mount is refused: the journal alone needs room to start.
 MIN_FREE_BYTES_TO_MOUNT = 16 * 1024 * 1024
-# Changes at every boot of the kernel: a start with another id than the last one follows a
-# reboot, maybe a power loss, after which data not fsynced may be gone.
-BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
 
 @dataclass(slots=True)
@@ -135,42 +131,6 @@ class Staging:
             os.close(fd)
             raise self._unusable(exc, "cannot be locked") from None
         self._lock_fd = fd
-
-    def rebooted(self) -> bool:
-        """Whether the machine booted since this staging directory was last started (True
-        the first time: nothing tells otherwise). Records the current boot, durably.
-
-        Only a reboot (a power loss, a kernel crash) loses page-cache data: a daemon that died
-        alone left every byte it wrote in the page cache, to reach the disk anyway."""
-        record = self.root / "boot"
-        try:
-            current = BOOT_ID_FILE.read_text().strip()
-        except OSError:
-            return True  # cannot tell: assume the worst
-        try:
-            last = record.read_text().strip()
-        except FileNotFoundError:
-            last = None
-        if last == current:
-            return False
-        fresh = self.root / "boot.new"
-        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, f"{current}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(fresh, record)
-        self.sync_dir()
-        return True
-
-    def sync_dir(self) -> None:
-        """Make the names in the staging directory itself durable (a file created or replaced)."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         for data in self._open.values():
