@@ -124,6 +124,15 @@ async def _committed(root: Path, store: str) -> int:
     return ino
 
 
+def _overwrite(path: Path, offset: int, data: bytes) -> None:
+    """Change bytes of a data file behind ckptfs's back (its size stays)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
 async def _open_file(a: Node, path: str) -> tuple[int, Row]:
     step = a.fs.mkdir(ROOT_INODE, path.split("/")[0].encode(), 0o755, ROOT_CALLER)
     return a.fs.create(step.ino, path.split("/")[1].encode(), 0o644,
@@ -159,9 +168,8 @@ async def test_committed_file_with_lost_pages_is_read_from_the_store_after_a_reb
     root = tmp_path / "a"
     ino = await _committed(root, store)
     data_file = root / "data" / str(ino)
-    with open(data_file, "r+b") as f:
-        f.seek(300_000)
-        f.write(bytes(4096) if damage == "zeros" else bytes(b ^ 0xFF for b in DATA[:4096]))
+    _overwrite(data_file, 300_000,
+               bytes(4096) if damage == "zeros" else bytes(b ^ 0xFF for b in DATA[:4096]))
     lose_power(root)
     async with node(root, store) as a:
         row = a.fs.getattr(ino)
@@ -183,8 +191,7 @@ async def test_a_restart_without_a_reboot_checks_sizes_only(
     behind ckptfs's back (here by the test) are not looked for then."""
     root = tmp_path / "a"
     ino = await _committed(root, store)
-    with open(root / "data" / str(ino), "r+b") as f:
-        f.write(bytes(4096))
+    _overwrite(root / "data" / str(ino), 0, bytes(4096))
     lose_power(root, boot=boot_id() or "")  # killed, not rebooted
     async with node(root, store) as a:
         assert a.fs.getattr(ino).state is State.COMMITTED
@@ -269,7 +276,7 @@ def test_make_durable_syncs_the_wal_while_a_reader_holds_a_snapshot(
     reader.execute("SELECT COUNT(*) FROM inodes").fetchone()  # the snapshot is taken here
     row = journal.insert(Row(0, ROOT_INODE, b"model.pt", stat.S_IFREG | 0o644, 0, 0, size=7,
                              state=State.STAGED, closed_at=1.0))
-    busy, frames, done = journal._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    _busy, frames, done = journal._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     assert done < frames, "the reader holds the checkpoint back (the case under test)"
     journal.make_durable()
 
@@ -382,3 +389,31 @@ async def test_a_truncate_waiting_for_space_settles_against_the_size_it_finds(
         a.fs.release(fh)
         size = a.fs.getattr(row.ino).size
         assert a.fs.space.used == a.fs.journal.local_bytes() == size
+
+
+@pytest.mark.timeout(60)
+async def test_writers_waiting_for_space_do_not_wake_each_other_forever(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """Each waiting writer hurries the uploader, and a hurry wakes every waiter: two writers
+    that hurried at every wake-up would wake each other in a loop that never sleeps (100% CPU
+    on a real clock; no virtual time ever passes under the autojump clock)."""
+    n = 100_000
+    async with node(tmp_path / "a", store, max_bytes=n) as a:
+        a.tier.down = True
+        await a.write("step_1/full.bin", os.urandom(n))
+        hurries = 0
+        real_hurry = a.fs.listener.hurry
+
+        def hurry() -> None:
+            nonlocal hurries
+            hurries += 1
+            real_hurry()
+
+        a.fs.listener.hurry = hurry  # type: ignore[method-assign]
+        fh, _ = await _open_file(a, "step_2/model.pt")
+        with trio.move_on_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.fs.write, fh, 0, os.urandom(n))
+                nursery.start_soon(a.fs.write, fh, n, os.urandom(n))
+        assert hurries <= 2 * (30 + 1)  # at most once a second each
