@@ -429,8 +429,8 @@ async def test_a_listing_during_a_move_does_not_take_its_new_key_for_a_new_entry
         copied, finish = trio.Event(), trio.Event()
         copy = a.tier.copy
 
-        async def paused_copy(src: str, dst: str) -> None:
-            await copy(src, dst)
+        async def paused_copy(src: str, dst: str, *, if_etag: str | None = None) -> None:
+            await copy(src, dst, if_etag=if_etag)
             copied.set()
             await finish.wait()
 
