@@ -212,3 +212,32 @@ def test_directory_exchange_then_evict_reads_the_swapped_bytes(
                             "nxt/model.pt": len(cur)}
     assert (b.path / "cur/model.pt").read_bytes() == nxt
     assert (b.path / "nxt/model.pt").read_bytes() == cur
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a shard closed before rank 0's rename but still uploading when it runs lands under the "
+    "old name; the marker's barrier counts it there, so step_1/.metadata is committed "
+    "without it (report of the s7-mounts session)"))
+def test_tmp_dir_commit_while_another_nodes_shard_is_uploading(
+        mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
+    """DCP into ``step_1.tmp/`` then rank 0's rename, as frameworks do after the job's
+    barrier: B's shard is closed before A writes ``.metadata`` and renames, but B's upload
+    is slow and lands after the rename. ``step_1/`` must end with every shard (the marker
+    waits for them under the name it is committed at) and no ``step_1.tmp`` key is left."""
+    a, b = nodes(mounter, bucket, tmp_path)
+    s0, s1 = os.urandom(100 * KiB), os.urandom(100 * KiB)
+    slow_put = Rule(bucket.name, key=PREFIX + "step_1.tmp/__1_0.distcp", methods=("PUT",),
+                    delay=3.0)
+    with bucket.server.inject(slow_put):
+        write(a.path / "step_1.tmp/__0_0.distcp", s0)
+        write(b.path / "step_1.tmp/__1_0.distcp", s1)  # closed: the barrier is passed
+        write(a.path / "step_1.tmp/.metadata", b"metadata of step 1")
+        os.rename(a.path / "step_1.tmp", a.path / "step_1")
+        sync(a, timeout=60)
+        sync(b, timeout=60)
+    time.sleep(TTL + 0.3)
+    ls_r(a.path), ls_r(b.path)
+    sync(a)
+    sync(b)
+    assert_store(bucket, {"step_1/__0_0.distcp": s0, "step_1/__1_0.distcp": s1,
+                          "step_1/.metadata": b"metadata of step 1"})
