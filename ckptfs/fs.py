@@ -512,7 +512,8 @@ class Filesystem:
         if directory and self.lister is not None and stat.S_ISDIR(row.mode):
             # ENOTEMPTY if the store has entries in it: wait for the listing, however long;
             # a directory the store knows cannot be judged empty while the store is down.
-            if not await self.lister.refresh(row, wait=math.inf) and row.remote_key:
+            if not await self.lister.refresh(row, wait=math.inf, current=True) \
+                    and row.remote_key:
                 raise StoreUnavailable(f"cannot list {row.remote_key} to see that it is empty")
             row = self.ns.lookup(parent, name)
         keys = self._remote_keys(row)
@@ -561,13 +562,18 @@ class Filesystem:
         except NotFound:
             dst = None
         if self.lister is not None:
-            # A directory known from the store moves with every descendant: the journal must
-            # know them all first. A directory about to be replaced must really be empty.
-            if stat.S_ISDIR(src.mode) and src.remote_key is not None \
-                    and not await self.lister.refresh_tree(src):
+            # A directory moves with every descendant, other nodes' files in it included
+            # (a tmp-dir commit: every node wrote its shard into step_1.tmp): the journal
+            # must know them all first, as the store holds them now, not as a listing
+            # within the ttl saw them (nor only if this node's marker of it is in the store
+            # already). A directory about to be replaced must really be empty.
+            if stat.S_ISDIR(src.mode) and not await self.lister.refresh_tree(
+                    src, current=True) and src.remote_key is not None:
                 raise StoreUnavailable(f"cannot list {src.remote_key} to move all of it")
-            if dst is not None and stat.S_ISDIR(dst.mode) and \
-                    not await self.lister.refresh(dst, wait=math.inf) and dst.remote_key:
+            if dst is not None and stat.S_ISDIR(dst.mode) and not await (
+                    self.lister.refresh_tree(dst, current=True) if flags & RENAME_EXCHANGE
+                    else self.lister.refresh(dst, wait=math.inf, current=True)) \
+                    and dst.remote_key:
                 raise StoreUnavailable(f"cannot list {dst.remote_key} to see that it is empty")
             if flags & RENAME_EXCHANGE:
                 # Two remote copies cannot trade places one move after the other: both are

@@ -124,16 +124,27 @@ class Lister:
         self._listed.add(ino)
         self._fresh_until[ino] = self._clock() + self.ttl
 
-    async def refresh(self, directory: Row, *, wait: float | None = None) -> bool:
+    async def refresh(self, directory: Row, *, wait: float | None = None,
+                      current: bool = False) -> bool:
         """Bring ``directory``'s entries in line with the store if its listing is stale.
 
         Waits for the listing at most ``wait`` seconds (default: ``STALE_WAIT`` if the
         directory was listed before, else until it is done); it goes on in the background.
-        True if the directory's view is known to be current (fresh, or listed just now)."""
+        True if the directory's view is known to be current (fresh, or listed just now).
+        ``current``: list it again even if the last listing is within the ttl (a listing
+        already on its way may predate the call: it is waited for, then one more runs).
+        Renames and rmdir need it: other nodes' files that landed since the last listing
+        move (or keep the directory) too."""
         if not stat.S_ISDIR(directory.mode) or directory.parent is None and \
                 directory.ino != ROOT_INODE:
             return True
-        if self._fresh_until.get(directory.ino, 0.0) > self._clock():
+        if current:
+            running = self._inflight.get(directory.ino)
+            if running is not None:
+                with trio.move_on_after(math.inf if wait is None else wait):
+                    await running.wait()
+            self._fresh_until.pop(directory.ino, None)
+        elif self._fresh_until.get(directory.ino, 0.0) > self._clock():
             return directory.ino not in self._failed
         if wait is None:
             wait = STALE_WAIT if directory.ino in self._listed else math.inf
@@ -163,13 +174,14 @@ class Lister:
             del self._inflight[directory.ino]
             done.set()
 
-    async def refresh_tree(self, directory: Row) -> bool:
+    async def refresh_tree(self, directory: Row, *, current: bool = False) -> bool:
         """Refresh ``directory`` and every directory below it, waiting for each (before a
-        rename or rmdir, the journal must know every descendant); False if one failed."""
-        ok = await self.refresh(directory, wait=math.inf)
+        rename or rmdir, the journal must know every descendant); False if one failed.
+        ``current``: as for ``refresh``."""
+        ok = await self.refresh(directory, wait=math.inf, current=current)
         for child in list(self.ns.children(directory.ino, 0)):
             if stat.S_ISDIR(child.mode):
-                ok = await self.refresh_tree(child) and ok
+                ok = await self.refresh_tree(child, current=current) and ok
         return ok
 
     async def _refresh(self, directory: Row) -> bool:

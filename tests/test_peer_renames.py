@@ -130,3 +130,24 @@ async def test_a_move_record_older_than_the_commit_is_not_followed(
         assert "x.tmp/f" in store_named(store)
         await a.stop()
         await b.stop()
+
+
+async def test_a_directory_rename_lists_it_again_within_its_ttl(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """Rank 0 renames ``step_1.tmp`` as soon as every shard is committed: its own listing of
+    the directory (it made it) is within the ttl and has not seen B's shard; the rename
+    lists it again and takes B's shard along (tests/test_store_keys_mount.py on a mount)."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store))
+        await a.write("step_1.tmp/shard_0", b"a" * 1000)
+        await a.fs.readdir(await ino_of(a.fs, "step_1.tmp"), 0)
+        await b.write("step_1.tmp/shard_1", b"b" * 1000)
+        await a.uploader.wait_idle()
+        await b.uploader.wait_idle()
+        await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+        await a.uploader.wait_idle()
+        assert data_keys(store) == {"step_1/", "step_1/shard_0", "step_1/shard_1"}
+        assert await read(a.fs, "step_1/shard_1") == b"b" * 1000
+        await a.stop()
+        await b.stop()
