@@ -61,7 +61,7 @@ def ckptfs_mount(base: Path, mnt: Path, passthrough: str) -> Iterator[Path]:
     staging, store, down = base / "staging", base / "store", base / "store-down"
     for d in (mnt, store):
         d.mkdir(parents=True, exist_ok=True)
-    down.touch()
+    down.unlink(missing_ok=True)  # up for the mount's own check, down once mounted
     config = base / "ckptfs.toml"
     config.write_text(f'passthrough = "{passthrough}"\nlog_level = "warning"\n\n'
                       '[[tier]]\nname = "hot"\n\n[[tier]]\nname = "warm"\n'
@@ -73,9 +73,11 @@ def ckptfs_mount(base: Path, mnt: Path, passthrough: str) -> Iterator[Path]:
                           cwd=REPO, timeout=120, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         raise SystemExit(f"ckptfs mount failed:\n{done.stdout}{done.stderr}")
+    down.touch()
     try:
         yield mnt
     finally:
+        down.unlink(missing_ok=True)
         subprocess.run([*CKPTFS, "umount", str(mnt), "--no-wait"], capture_output=True,
                        env=env, cwd=REPO, timeout=120, check=False)
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
