@@ -13,8 +13,9 @@ these places, all on the same filesystem:
   ckptfs-pt    ckptfs with ``passthrough = on``
 
 ``--modes`` picks some (default: all five). The ckptfs mounts' warm tier is held "down"
-(``faults.down_file``) while they are measured, so no upload reads the files meanwhile: this
-is the node's data path (training blocks on it); benchmarks/upload.py measures uploads.
+(``faults.down_file``) while they are measured, and the read-back waits until the upload of the
+files just written was tried (its checksum pass reads them; ``--no-settle`` reads at once):
+this is the node's data path (training blocks on it); benchmarks/upload.py measures uploads.
 
 Each cell is the best of ``--repeat`` rounds; a round runs plain, stock and passthrough in turn
 (files deleted in between), so drift in the machine's load hits all three alike; ratios are time / plain
@@ -83,6 +84,27 @@ def ckptfs_mount(base: Path, mnt: Path, passthrough: str) -> Iterator[Path]:
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
 
 
+def ckptfs_settle(mnt: Path, files: int) -> Callable[[], None]:
+    """Wait until the upload of the files just closed has been tried twice (and failed: the
+    store is down): each attempt's checksum pass reads every file once, and on a small
+    machine that would compete with the read-back being measured; after the second failure
+    the next attempt is 1-3 s away (upload.py's backoff)."""
+    def status() -> dict[str, Any]:
+        done = subprocess.run([*CKPTFS, "status", str(mnt), "--json"], capture_output=True,
+                              text=True, cwd=REPO, check=True)
+        info: dict[str, Any] = json.loads(done.stdout)
+        return info
+
+    seen = [status()["retries"]]
+
+    def settle() -> None:
+        deadline = time.monotonic() + 60
+        while (now := status()["retries"]) < seen[0] + 2 * files and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen[0] = now
+    return settle
+
+
 def ckptfs_requests(mnt: Path) -> dict[str, Any]:
     done = subprocess.run([*CKPTFS, "status", str(mnt), "--json"], capture_output=True,
                           text=True, cwd=REPO, check=False)
@@ -138,11 +160,14 @@ def _read(path: Path, size: int) -> None:
     assert got == size, (path, got, size)
 
 
-def measure(where: Path, ranks: int, size: int) -> dict[str, float]:
+def measure(where: Path, ranks: int, size: int,
+            settle: Callable[[], None] | None = None) -> dict[str, float]:
     files = [where / f"rank{r}.bin" for r in range(ranks)]
     try:
-        return {"write": _ranks(ranks, lambda r: _write(files[r], size)),
-                "read": _ranks(ranks, lambda r: _read(files[r], size))}
+        write = _ranks(ranks, lambda r: _write(files[r], size))
+        if settle is not None:
+            settle()
+        return {"write": write, "read": _ranks(ranks, lambda r: _read(files[r], size))}
     finally:
         for f in files:
             f.unlink(missing_ok=True)
@@ -156,6 +181,9 @@ def main() -> None:
     ap.add_argument("--disk", type=Path, help="backing dir on this disk instead of /dev/shm")
     ap.add_argument("--out", type=Path, help="write every number here (JSON)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--no-settle", dest="settle", action="store_false",
+                    help="ckptfs modes: read back at once, while the upload's checksum pass "
+                    "may still read the files (by default the read waits for that attempt)")
     args = ap.parse_args()
     size = args.size_mib << 20
     modes = [m for m in MODES if m in args.modes or m == "plain"]
@@ -183,10 +211,13 @@ def main() -> None:
                         where[mode] = stack.enter_context(ckptfs_mount(
                             base / f"{mode}{ranks}", mnt_base / f"{mode}{ranks}",
                             "on" if mode == "ckptfs-pt" else "off"))
+                settle = {m: ckptfs_settle(where[m], ranks) for m in modes
+                          if m.startswith("ckptfs") and args.settle}
                 # Rounds interleave the modes, so drift in the machine's load hits all alike.
                 for _ in range(args.repeat):
                     for mode in modes:
-                        for op, t in measure(where[mode], ranks, size).items():
+                        for op, t in measure(where[mode], ranks, size,
+                                             settle.get(mode)).items():
                             best[mode][op] = min(best[mode][op], t)
                 for mode in modes:
                     if mode in ("stock", "passthrough"):
