@@ -371,6 +371,12 @@ class PassthroughFiles:
         row.size = size
         row.mtime_ns = row.ctime_ns = mtime_ns
         self._written.add(ino)
+        if row.state is State.OPEN and row.closed_at is not None:
+            # Written after the last writer's close(2) (a dup'ed descriptor, a shared
+            # mapping): still open, as Filesystem.write says for a daemon-served write.
+            row.closed_at = None
+            self.fs.ns.persist(row)
+            self.fs.listener.cancel(ino)
 
     def observe(self, ino: int) -> None:
         """The core changed the staging file itself (a truncate): not a passthrough write."""

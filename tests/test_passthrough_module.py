@@ -212,3 +212,18 @@ def test_remote_files_and_writers_short_of_space_are_daemon_served(core: Filesys
     assert pt._eligible(row.ino, os.O_RDONLY) is True
     core.space.max_bytes = None
     assert pt._eligible(row.ino, os.O_RDWR) is True
+
+
+def test_a_write_after_the_last_close_reopens_the_file(core: Filesystem) -> None:
+    pt = _files(core)
+    fh, row = core.create(ROOT_INODE, b"d", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    pt.opened(fh, row.ino, os.O_WRONLY, False)
+    core.flush(fh)                        # close(2) of one copy of a dup'ed descriptor
+    assert core.getattr(row.ino).closed_at is not None
+    core.staging.path(row.ino).write_bytes(b"late")  # written through the other copy
+    pt.refresh(row.ino)
+    assert core.getattr(row.ino).closed_at is None
+    assert core.journal.get(row.ino).closed_at is None
+    core.release(fh)
+    pt.released(fh)
+    assert core.journal.get(row.ino).size == 4

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, status, sync, wait_for
+from tests.mounting import Mount, Mounter, ckptfs, is_mounted, status, sync, wait_for
 from tests.passthrough_fs import BUILD_UNFETCHABLE, build
 from tests.s3bucket import Bucket, crc
 
@@ -155,3 +155,26 @@ def test_off_is_the_stock_path(mounter: Mounter) -> None:
     pt = _pt(m)
     assert pt["active"] is False and pt["reason"] == "passthrough = off", pt
     assert pt["requests"]["write"] > 0 and pt["opens"]["passthrough"] == 0, pt
+
+
+def test_without_the_build_auto_falls_back_and_on_refuses(mounter: Mounter, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTFS_FUSE_PREFIX", str(tmp_path / "no-build"))  # the daemon inherits it
+    m = mounter("auto", extra=["-o", "passthrough=auto"])
+    pt = _pt(m)
+    assert pt["active"] is False and "no passthrough support" in pt["reason"], pt
+    (m.path / "f").write_bytes(b"y" * MiB)
+    assert (m.path / "f").read_bytes() == b"y" * MiB
+
+    mnt = tmp_path / "on" / "mnt"
+    mnt.mkdir(parents=True)
+    done = ckptfs("mount", mnt, "--staging", tmp_path / "on" / "staging",
+                  "--store", tmp_path / "store", "-o", "passthrough=on", check=False)
+    try:
+        assert done.returncode != 0
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "passthrough = on, but" in lines[0], done.stderr
+        assert "scripts/build_passthrough_fuse.sh" in lines[0]
+    finally:
+        if is_mounted(mnt):
+            ckptfs("umount", mnt, check=False)
