@@ -197,9 +197,12 @@ def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
 def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     import trio
 
-    from ckptfs import mount as mount_mod
+    from ckptfs.passthrough import use_patched_pyfuse3
 
     _setup_logging(config.log_level, config.secret_values())
+    # Before ckptfs.mount imports pyfuse3: the passthrough build unless passthrough = off.
+    use_patched_pyfuse3(config.passthrough)
+    from ckptfs import mount as mount_mod
 
     def report(message: str) -> None:
         nonlocal ready_fd
@@ -436,6 +439,12 @@ def status(
             table.add_row("fetched", f"{_human(r['fetch']['bytes'])}, "
                           f"{_human(r['fetch']['rate_bytes_per_s'])}/s")
             table.add_row("writers stalled", f"{r['write_stall_s']:.1f}s")
+        pt = r.get("passthrough")
+        if pt:
+            table.add_row("passthrough", (
+                f"active: {pt['opens']['passthrough']} opens served by the kernel, "
+                f"{pt['opens']['daemon']} by the daemon") if pt["active"]
+                else f"off: {pt['reason']}")
         table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
                       or "none")
         table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")

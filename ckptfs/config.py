@@ -216,6 +216,10 @@ class Config(_Strict):
     # Write-only opens bypass the kernel page cache of the mount: one copy fewer per byte
     # (docs/SEMANTICS.md, "Page cache").
     write_direct_io: bool = True
+    # FUSE passthrough (docs/PASSTHROUGH.md): opens of wholly local files served by the kernel
+    # straight from the staging file. "auto" falls back with one log line, "on" fails the
+    # mount with the reason, "off" never asks (and keeps the stock pyfuse3).
+    passthrough: Literal["auto", "on", "off"] = "off"
     metadata_ttl: Duration = timedelta(seconds=10)
     # Read path: missing data is fetched in aligned blocks of fetch_block_size (at least; an
     # object's own integrity blocks may be larger), fetch_concurrency range GETs at once, and

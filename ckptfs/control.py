@@ -43,6 +43,7 @@ from ckptfs.config import Config
 from ckptfs.errors import CkptfsError, UserError
 from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_INODE, State
+from ckptfs.passthrough import PassthroughFiles
 from ckptfs.retention import Retention
 from ckptfs.upload import Uploader
 
@@ -125,6 +126,8 @@ class ControlServer:
         self.mountpoint = mountpoint
         self.tier_url = tier_url
         self.config = config
+        # PassthroughFiles of the mount (set once the FUSE adapter exists): status shows it.
+        self.passthrough: PassthroughFiles | None = None
         self.path = socket_path(fs.staging.root)
         self.started = time.time()
         # (monotonic time, bytes fetched so far), sampled every second, for the fetch rate.
@@ -362,6 +365,8 @@ class ControlServer:
                       "errors": self.read_errors(),
                       "rate_bytes_per_s": round(self.fetch_rate(), 1)},
             "write_stall_s": round(self.fs.stall_seconds, 3),
+            "passthrough": (self.passthrough.status() if self.passthrough is not None
+                            else {"active": False, "reason": "not mounted yet"}),
             "tiers": self.tiers(),
             "options": {} if self.config is None else {
                 "upload_concurrency": self.config.upload_concurrency,

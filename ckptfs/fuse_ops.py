@@ -6,6 +6,9 @@ Invariants:
   and the daemon keeps serving.
 - Every inode the kernel is told about (lookup, create, mkdir, symlink, readdirplus entry)
   is counted with ``Filesystem.lookup``/``remember`` so that ``forget`` balances it.
+- Every open/create that succeeded is reported to ``PassthroughFiles`` (passthrough.py), which
+  decides how the kernel serves it; every RELEASE too. Attributes and flush/fsync/release
+  first let it copy what passthrough writes did to the staging file into the row.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pyfuse3
 from ckptfs.errors import FsError, errno_for
 from ckptfs.fs import Caller, Filesystem
 from ckptfs.journal import ROOT_INODE, Row
+from ckptfs.passthrough import PassthroughFiles, negotiated_backend
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +89,12 @@ class FuseOps(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, fs: Filesystem, attr_timeout: float = ATTR_TIMEOUT,
-                 on_init: Callable[[], None] | None = None) -> None:
+                 on_init: Callable[[], None] | None = None,
+                 passthrough: PassthroughFiles | None = None) -> None:
         super().__init__()
         self.fs = fs
+        # Requested at pyfuse3.init by the mount (or not: every open daemon-served).
+        self.passthrough = passthrough or PassthroughFiles(fs)
         # Another node's changes show up within metadata_ttl: the kernel may not cache
         # entries and attributes longer than that.
         self.attr_timeout = attr_timeout
@@ -96,10 +103,14 @@ class FuseOps(pyfuse3.Operations):
     def init(self) -> None:
         """FUSE_INIT from the kernel; our reply follows as soon as this returns (synchronously,
         in the same trio task), so anything ``on_init`` schedules runs after it."""
+        pt = self.passthrough
+        if pt.requested:
+            pt.negotiated(negotiated_backend(pyfuse3))
         if self.on_init is not None:
             self.on_init()
 
     def _entry(self, row: Row) -> pyfuse3.EntryAttributes:
+        self.passthrough.refresh(row.ino)  # the kernel must not learn an old size
         return entry_attributes(row, self.attr_timeout)
 
     @_translate_errors
@@ -117,6 +128,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any) -> Any:
+        self.passthrough.refresh(inode)  # what was written before, e.g. before a futimens
         row = await self.fs.setattr(
             inode,
             fh=fh,
@@ -127,6 +139,7 @@ class FuseOps(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
+        self.passthrough.observe(inode)  # a truncate here is not a passthrough write
         return self._entry(row)
 
     @_translate_errors
@@ -167,34 +180,54 @@ class FuseOps(pyfuse3.Operations):
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
         fh = await self.fs.open(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, direct_io=self.fs.direct_io(fh))
+        return pyfuse3.FileInfo(fh=fh, **self._opened(fh, inode, flags))
 
     @_translate_errors
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[Any, Any]:
         fh, row = self.fs.create(parent_inode, name, mode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, direct_io=self.fs.direct_io(fh)), self._entry(row)
+        return pyfuse3.FileInfo(fh=fh, **self._opened(fh, row.ino, flags)), self._entry(row)
+
+    def _opened(self, fh: int, ino: int, flags: int) -> dict[str, Any]:
+        try:
+            return self.passthrough.opened(fh, ino, flags, self.fs.direct_io(fh))
+        except BaseException:
+            self.fs.release(fh)  # the kernel never hears of this handle
+            raise
 
     @_translate_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        self.passthrough.counters.read_requests += 1
         return await self.fs.read(fh, off, size)
 
     @_translate_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self.passthrough.counters.write_requests += 1
         return await self.fs.write(fh, off, buf)
 
     @_translate_errors
     async def flush(self, fh: int) -> None:
+        self._refresh_handle(fh)
         self.fs.flush(fh)
 
     @_translate_errors
     async def release(self, fh: int) -> None:
-        self.fs.release(fh)
+        self._refresh_handle(fh)
+        try:
+            self.fs.release(fh)
+        finally:
+            self.passthrough.released(fh)
 
     @_translate_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
+        self._refresh_handle(fh)
         await self.fs.fsync(fh, datasync)
+
+    def _refresh_handle(self, fh: int) -> None:
+        ino = self.passthrough.handle_ino(fh)
+        if ino is not None:
+            self.passthrough.refresh(ino)
 
     @_translate_errors
     async def opendir(self, inode: int, ctx: Any) -> int:

@@ -66,6 +66,8 @@ class _DaemonCollector(Collector):
             ("ckptfs_fetch_failures", "Fetches that failed their checksum.", fetch["failures"]),
             ("ckptfs_write_stall_seconds", "Time writers waited for staging space.",
              fs.stall_seconds),
+            ("ckptfs_passthrough_opens", "Opens served by the kernel (FUSE passthrough).",
+             status["passthrough"].get("opens", {}).get("passthrough", 0)),
         )
         gauges = (
             ("ckptfs_queue_files", "Closed files not yet committed to the warm tier.",
@@ -87,6 +89,8 @@ class _DaemonCollector(Collector):
              staging["total_bytes"]),
             ("ckptfs_upload_rate_bytes_per_second", "Upload throughput over the last minute.",
              status["upload_rate_bytes_per_s"]),
+            ("ckptfs_passthrough_active", "1 if FUSE passthrough is in use (docs/PASSTHROUGH.md).",
+             int(bool(status["passthrough"].get("active")))),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

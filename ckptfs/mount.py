@@ -19,6 +19,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
@@ -31,8 +32,9 @@ from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.mountinfo import check_mountpoint, find
+from ckptfs.mountinfo import check_mountpoint, find, mounts
 from ckptfs.noderun import NodeRun, boot_id
+from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
@@ -107,6 +109,9 @@ async def serve(
     # FUSE handlers run on the trio thread and share the GIL with upload threads; a short
     # switch interval keeps a write() from queueing 5 ms behind a busy upload thread.
     sys.setswitchinterval(0.0005)
+    # Before anything is mounted or registered: passthrough = on without what it needs fails
+    # the mount here, with the missing piece (passthrough.py).
+    passthrough = decide(config.passthrough, facts(pyfuse3))
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     _owner_only(staging.root, JOURNAL_NAME)
@@ -147,7 +152,7 @@ async def serve(
             raise UserError(str(exc)) from None
         try:
             await _serve_registered(config, mountpoint, staging, journal, tier, fs, uploader,
-                                    coordinator, on_ready)
+                                    coordinator, on_ready, passthrough)
         except BaseException:
             # Failed before or while serving: leave only if nothing at all is left to upload
             # (the in-flight items are gone from the queue by now: ask the journal too).
@@ -169,6 +174,7 @@ async def serve(
 async def _serve_registered(
     config: Config, mountpoint: Path, staging: Staging, journal: Journal, tier: Tier,
     fs: Filesystem, uploader: Uploader, coordinator: Coordinator, on_ready: Callable[[], None],
+    passthrough: Decision,
 ) -> None:
     """Serve the mount of a registered node until it is unmounted."""
     retention: Retention | None = None
@@ -208,13 +214,20 @@ async def _serve_registered(
             # The root's listing before the mount is ready: the first lookups (often a
             # writer's new files) then never wait for the store.
             await fs.lister.refresh(fs.getattr(ROOT_INODE))
-            ops = FuseOps(fs, attr_timeout=min(10.0, config.metadata_ttl.total_seconds()))
+            ops = FuseOps(fs, attr_timeout=min(10.0, config.metadata_ttl.total_seconds()),
+                          passthrough=PassthroughFiles(fs, passthrough.request,
+                                                       passthrough.reason))
+            control.passthrough = ops.passthrough
             if config.read_ahead_kb:
                 # After our INIT reply: the kernel lowers the readahead to what it offered
                 # in INIT (its default), so it is raised once that is done.
                 ops.on_init = lambda: nursery.start_soon(
                     trio.to_thread.run_sync, set_read_ahead, mountpoint, config.read_ahead_kb)
-            pyfuse3.init(ops, str(mountpoint), fuse_options(config))
+            init_args: dict[str, Any] = {}
+            if passthrough.request:  # only the patched pyfuse3 knows these
+                init_args = {"passthrough": True,
+                             "max_stack_depth": backing_stack_depth(staging.root)}
+            pyfuse3.init(ops, str(mountpoint), fuse_options(config), **init_args)
             try:
                 log.info("mounted %s (staging %s, warm tier %s)", mountpoint, staging.root,
                          config.warm.url)
@@ -236,6 +249,19 @@ async def _serve_registered(
         if retention is not None:
             with trio.CancelScope(shield=True):
                 await retention.aclose()
+
+
+def backing_stack_depth(staging_root: Path) -> int:
+    """The kernel's max_stack_depth for backing files in ``staging_root``: 1, or 2 when the
+    staging filesystem is itself stacked (overlayfs, as in many containers)."""
+    root = os.path.realpath(staging_root)
+    best = None
+    for entry in mounts():
+        mp = entry.mountpoint.rstrip("/") or "/"
+        if (root == mp or root.startswith(mp.rstrip("/") + "/")) and \
+                (best is None or len(mp) >= len(best.mountpoint.rstrip("/") or "/")):
+            best = entry
+    return 2 if best is not None and best.fstype in ("overlay", "ecryptfs") else 1
 
 
 def _nothing_left(uploader: Uploader, journal: Journal) -> bool:

@@ -15,26 +15,62 @@ checked on 6.18, see docs/PASSTHROUGH.md):
 - Registering a backing file needs CAP_SYS_ADMIN (EPERM otherwise), a pyfuse3 built against
   libfuse 3.17 with scripts/pyfuse3-passthrough.patch, and no writeback cache.
 
-Who calls: the mount (``decide`` before ``pyfuse3.init``, ``Negotiated`` after FUSE_INIT) and
-the filesystem core at open/create/release (``BackingTable``). Nothing here touches the
-namespace or staging: the caller decides which files are wholly local (``eligible``).
+Who calls: the CLI's foreground mount (``use_patched_pyfuse3`` before anything imports
+pyfuse3), the mount (``decide`` before ``pyfuse3.init``) and the FUSE adapter
+(``PassthroughFiles``: at FUSE_INIT, every open/create/flush/fsync/release, and before it
+reports attributes). ``BackingTable`` knows nothing of the namespace or staging: its caller
+says which files are wholly local (``eligible``); ``PassthroughFiles`` is that caller, and the
+only part that reads the core's rows and staging files.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import platform
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ckptfs.errors import UserError
+from ckptfs.journal import State
+
+if TYPE_CHECKING:
+    from ckptfs.fs import Filesystem
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "on", "off"]
 MIN_KERNEL = (6, 9)
 _CAP_SYS_ADMIN = 21
+
+
+# -- which pyfuse3
+
+def patched_pyfuse3_dir() -> Path:
+    """Where scripts/build_passthrough_fuse.sh installs the patched pyfuse3 (its PREFIX)."""
+    return Path(os.environ.get("CKPTFS_FUSE_PREFIX", "/opt/ckptfs-fuse")) / "python"
+
+
+def use_patched_pyfuse3(mode: Mode) -> bool:
+    """Put the patched pyfuse3 first on ``sys.path`` unless ``mode`` is off; True if it was.
+
+    Must run before anything imports pyfuse3 (the CLI calls it just before it imports
+    ckptfs.mount). The stock pyfuse3 stays installed: with ``off``, or without the build, the
+    daemon imports that one, and ``decide`` says why passthrough is not used.
+    """
+    if mode == "off":
+        return False
+    where = patched_pyfuse3_dir()
+    if not (where / "pyfuse3").is_dir():
+        return False
+    if "pyfuse3" in sys.modules:
+        log.warning("pyfuse3 was imported before the passthrough build could be chosen")
+        return False
+    sys.path.insert(0, str(where))
+    return True
 
 
 # -- may this mount use passthrough?
@@ -69,8 +105,8 @@ def decide(mode: Mode, f: Facts) -> Decision:
         return Decision(False, "passthrough = off")
     reason = ""
     if not f.pyfuse3_has_passthrough:
-        reason = ("the installed pyfuse3 has no passthrough support "
-                  "(scripts/build_passthrough_fuse.sh, PYTHONPATH=/opt/ckptfs-fuse/python)")
+        reason = (f"the pyfuse3 found has no passthrough support (none built in "
+                  f"{patched_pyfuse3_dir()}: run scripts/build_passthrough_fuse.sh)")
     elif f.kernel < MIN_KERNEL:
         reason = f"kernel {f.kernel[0]}.{f.kernel[1]} has no FUSE passthrough (6.9+)"
     elif not f.cap_sys_admin:
@@ -122,6 +158,12 @@ class Pyfuse3Backend:
         self._pyfuse3.passthrough_close(backing_id)
 
 
+def negotiated_backend(pyfuse3_module: Any) -> Backend | None:
+    """After FUSE_INIT: pyfuse3's backing-file calls if the kernel agreed to passthrough."""
+    enabled = getattr(pyfuse3_module, "passthrough_enabled", None)
+    return Pyfuse3Backend(pyfuse3_module) if enabled is not None and enabled() else None
+
+
 @dataclass(slots=True)
 class _Inode:
     backing_id: int     # 0: the inode's opens are served by the daemon
@@ -139,6 +181,7 @@ class BackingTable:
         # None: passthrough not negotiated (or given up), every open is daemon-served.
         self._backend = backend
         self._inodes: dict[int, _Inode] = {}
+        self.gave_up = ""  # why the mount stopped using passthrough, if it did
 
     @property
     def active(self) -> bool:
@@ -188,6 +231,7 @@ class BackingTable:
                 # give up once, with one line, rather than at every open.
                 log.warning("passthrough off for this mount: backing open: %s", e)
                 self._backend = None
+                self.gave_up = f"registering a backing file failed: {e}"
             else:
                 log.warning("passthrough backing open: %s; serving this file in the daemon", e)
             return 0
@@ -201,3 +245,160 @@ def file_info_fields(backing_id: int, direct_io: bool) -> dict[str, Any]:
         return {"backing_id": backing_id, "keep_cache": False, "direct_io": False}
     return {"direct_io": direct_io}
 
+
+
+# -- the mount's passthrough opens
+
+# A writable open goes passthrough only while the staging budget has this much room: the
+# daemon cannot stall a write it never sees, so a writer that may fill the disk is served by
+# the daemon, which evicts committed copies and waits for uploads (``write_stall_timeout``).
+WRITE_HEADROOM = 1 << 30
+
+
+@dataclass(slots=True)
+class Counters:
+    passthrough_opens: int = 0
+    daemon_opens: int = 0
+    read_requests: int = 0     # READ/WRITE requests that reached the daemon
+    write_requests: int = 0
+
+
+@dataclass(slots=True)
+class PassthroughFiles:
+    """Which opens of one mount the kernel serves from their staging file, and what the core
+    must learn about the writes it no longer sees.
+
+    - An open is *eligible* when every byte of the file is in its staging file: any state but
+      REMOTE (a REMOTE file is fetched range by range on demand: daemon-served, so its reads
+      fault in; once wholly fetched it is COMMITTED, and later opens may go passthrough once
+      every daemon-served open of it is released, ``BackingTable``). A writable open is also
+      eligible only while the space budget has ``WRITE_HEADROOM`` left.
+    - Writes through passthrough never reach the daemon: ``refresh`` copies the staging
+      file's size and mtime into the row (marked dirty, persisted by the core at flush, fsync
+      and release as for a daemon write) and charges the growth to the space budget. The
+      adapter calls it before it answers with attributes and before flush/fsync/release, so
+      the journal and the upload see every byte written before close(2).
+    - Pages the kernel cached for a daemon-served open may be stale once the file was written
+      in passthrough: the next daemon-served open of it drops them (keep_cache off).
+
+    Runs on the trio thread only.
+    """
+
+    fs: Filesystem
+    requested: bool = False
+    reason: str = "passthrough = off"
+    table: BackingTable = field(default_factory=lambda: BackingTable(None))
+    counters: Counters = field(default_factory=Counters)
+    _handles: dict[int, tuple[int, int]] = field(default_factory=dict)   # fh -> (ino, id)
+    _seen: dict[int, tuple[int, int]] = field(default_factory=dict)      # ino -> size, mtime
+    _written: set[int] = field(default_factory=set)
+
+    def negotiated(self, backend: Backend | None) -> None:
+        """FUSE_INIT is answered: ``backend`` if the kernel agreed to passthrough."""
+        if not self.requested:
+            return
+        if backend is None:
+            self.reason = "the kernel did not negotiate FUSE passthrough at FUSE_INIT"
+            log.warning("passthrough off: %s", self.reason)
+            return
+        self.table = BackingTable(backend)
+        self.reason = ""
+        log.info("passthrough on: opens of local files are served by the kernel")
+
+    @property
+    def active(self) -> bool:
+        return self.table.active
+
+    def status(self) -> dict[str, Any]:
+        c = self.counters
+        return {"active": self.active, "reason": self.table.gave_up or self.reason,
+                "opens": {"passthrough": c.passthrough_opens, "daemon": c.daemon_opens},
+                "requests": {"read": c.read_requests, "write": c.write_requests}}
+
+    def opened(self, fh: int, ino: int, flags: int, direct_io: bool) -> dict[str, Any]:
+        """The core opened ``fh`` on ``ino``: ``pyfuse3.FileInfo`` fields to answer with."""
+        first = self.table.mode(ino) == "closed"
+        eligible = first and self.table.active and self._eligible(ino, flags)
+        # The inode's shared staging descriptor (the core's handle holds it already): the
+        # kernel keeps its own reference to the file it registers.
+        fd = self.fs.staging.acquire(ino) if eligible else -1
+        try:
+            backing = self.table.acquire(ino, fd, eligible)
+        finally:
+            if eligible:
+                self.fs.staging.release(ino, fd)
+        if backing and first:
+            self._seen[ino] = self._stat(ino)
+        self._handles[fh] = (ino, backing)
+        if backing:
+            self.counters.passthrough_opens += 1
+            return file_info_fields(backing, direct_io)
+        self.counters.daemon_opens += 1
+        fields = file_info_fields(0, direct_io)
+        if ino in self._written:
+            self._written.discard(ino)
+            fields["keep_cache"] = False
+        return fields
+
+    def _eligible(self, ino: int, flags: int) -> bool:
+        if self.fs.getattr(ino).state is State.REMOTE:
+            return False
+        if (flags & os.O_ACCMODE) != os.O_RDONLY:
+            space = self.fs.space
+            if not space.try_take(WRITE_HEADROOM):
+                return False
+            space.give_back(WRITE_HEADROOM)
+        return True
+
+    def refresh(self, ino: int) -> None:
+        """Size and mtime of an inode open in passthrough, from its staging file."""
+        if self.table.mode(ino) != "passthrough":
+            return
+        seen = self._stat(ino)
+        if seen == self._seen.get(ino) or seen == (-1, -1):
+            return
+        self._seen[ino] = seen
+        size, mtime_ns = seen
+        row = self.fs.getattr(ino)
+        growth = size - row.size
+        if growth > 0:
+            if not self.fs.space.try_take(growth):
+                # Already on disk: count it anyway (the budget is over; daemon-served writers
+                # evict and wait, and new writable opens are daemon-served until it recovers).
+                self.fs.space.give_back(-growth)
+            self.fs.bytes_written += growth
+        self.fs.ns.note_write(row, size)  # marks the row dirty; then the staging file's values
+        row.size = size
+        row.mtime_ns = row.ctime_ns = mtime_ns
+        self._written.add(ino)
+        if row.state is State.OPEN and row.closed_at is not None:
+            # Written after the last writer's close(2) (a dup'ed descriptor, a shared
+            # mapping): still open, as Filesystem.write says for a daemon-served write.
+            row.closed_at = None
+            self.fs.ns.persist(row)
+            self.fs.listener.cancel(ino)
+
+    def observe(self, ino: int) -> None:
+        """The core changed the staging file itself (a truncate): not a passthrough write."""
+        if self.table.mode(ino) == "passthrough":
+            self._seen[ino] = self._stat(ino)
+
+    def handle_ino(self, fh: int) -> int | None:
+        entry = self._handles.get(fh)
+        return None if entry is None else entry[0]
+
+    def released(self, fh: int) -> None:
+        entry = self._handles.pop(fh, None)
+        if entry is None:
+            return
+        ino, backing = entry
+        self.table.release(ino, backing)
+        if self.table.mode(ino) == "closed":
+            self._seen.pop(ino, None)
+
+    def _stat(self, ino: int) -> tuple[int, int]:
+        try:
+            st = os.stat(self.fs.staging.path(ino))
+        except FileNotFoundError:
+            return (-1, -1)
+        return (st.st_size, st.st_mtime_ns)

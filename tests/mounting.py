@@ -21,6 +21,9 @@ from typing import Any
 from ckptfs.mountinfo import find
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
+# CKPTFS_TEST_PASSTHROUGH=on (or auto) runs every mount made here with that passthrough mode:
+# the mount suites in the other mode (docs/PASSTHROUGH.md).
+PASSTHROUGH = os.environ.get("CKPTFS_TEST_PASSTHROUGH", "")
 
 
 def ckptfs(*args: str | os.PathLike[str], check: bool = True, timeout: float = 300,
@@ -80,6 +83,8 @@ class Mount:
 
     def remount(self) -> None:
         args: list[str | os.PathLike[str]] = ["mount", self.path, "--staging", self.staging]
+        if PASSTHROUGH:  # before the test's own options, which may name it again
+            args += ["-o", f"passthrough={PASSTHROUGH}"]
         if self.config is not None:
             args += ["--config", self.config]
         if self.store is not None:

@@ -5,18 +5,26 @@ tests/test_passthrough_build.py)."""
 from __future__ import annotations
 
 import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from ckptfs.errors import UserError
+from ckptfs.fs import ROOT_CALLER, Filesystem
+from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.passthrough import (
+    WRITE_HEADROOM,
     BackingTable,
     Facts,
+    PassthroughFiles,
     _has_cap_sys_admin,
     _kernel_release,
     decide,
     file_info_fields,
 )
+from ckptfs.staging import Staging
 
 READY = Facts(kernel=(6, 18), cap_sys_admin=True, pyfuse3_has_passthrough=True)
 
@@ -135,3 +143,87 @@ def test_file_info_fields() -> None:
     assert file_info_fields(4, direct_io=True) == {
         "backing_id": 4, "keep_cache": False, "direct_io": False}
     assert file_info_fields(0, direct_io=True) == {"direct_io": True}
+
+
+# -- PassthroughFiles: the core's files behind the table (a Filesystem, no mount)
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[Filesystem]:
+    staging = Staging(tmp_path / "staging")
+    staging.prepare()
+    fs = Filesystem(Journal(tmp_path / "staging" / "journal.db"), staging,
+                    write_direct_io=True)
+    fs.start()
+    try:
+        yield fs
+    finally:
+        fs.close()
+        fs.journal.close()
+        staging.close()
+
+
+def _files(fs: Filesystem, backend: FakeBackend | None = None) -> PassthroughFiles:
+    pt = PassthroughFiles(fs, requested=True, reason="")
+    pt.negotiated(backend or FakeBackend())
+    return pt
+
+
+def test_negotiation_failure_is_a_reason(core: Filesystem) -> None:
+    pt = PassthroughFiles(core, requested=True, reason="")
+    pt.negotiated(None)
+    assert not pt.active and "did not negotiate" in pt.status()["reason"]
+
+
+async def test_passthrough_write_reaches_the_row_and_the_budget(core: Filesystem) -> None:
+    pt = _files(core)
+    fh, row = core.create(ROOT_INODE, b"f", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    fields = pt.opened(fh, row.ino, os.O_WRONLY, core.direct_io(fh))
+    # write_direct_io does not apply to a passthrough open; keep_cache must be off.
+    assert fields == {"backing_id": 1, "keep_cache": False, "direct_io": False}
+    used = core.space.used
+    core.staging.path(row.ino).write_bytes(b"x" * 5000)  # the kernel's write, not ours
+    pt.refresh(row.ino)
+    assert core.getattr(row.ino).size == 5000 and core.space.used == used + 5000
+    assert core.getattr(row.ino).mtime_ns == os.stat(core.staging.path(row.ino)).st_mtime_ns
+    core.flush(fh)
+    core.release(fh)
+    pt.released(fh)
+    assert core.journal.get(row.ino).size == 5000  # persisted by the core's release
+    assert pt.table.mode(row.ino) == "closed"
+    # A daemon-served open of it later must not trust pages cached before those writes.
+    pt.table = BackingTable(None)
+    fh = await core.open(row.ino, os.O_RDONLY)
+    assert pt.opened(fh, row.ino, os.O_RDONLY, False)["keep_cache"] is False
+    core.release(fh)
+    pt.released(fh)
+
+
+def test_remote_files_and_writers_short_of_space_are_daemon_served(core: Filesystem) -> None:
+    pt = _files(core)
+    fh, row = core.create(ROOT_INODE, b"r", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    core.release(fh)
+    row = core.getattr(row.ino)
+    row.state = State.REMOTE  # known from the store, fetched on demand
+    assert pt._eligible(row.ino, os.O_RDONLY) is False
+    row.state = State.COMMITTED
+    assert pt._eligible(row.ino, os.O_RDONLY) is True
+    core.space.max_bytes = core.space.used + WRITE_HEADROOM - 1
+    assert pt._eligible(row.ino, os.O_WRONLY) is False   # the daemon stalls it if need be
+    assert pt._eligible(row.ino, os.O_RDONLY) is True
+    core.space.max_bytes = None
+    assert pt._eligible(row.ino, os.O_RDWR) is True
+
+
+def test_a_write_after_the_last_close_reopens_the_file(core: Filesystem) -> None:
+    pt = _files(core)
+    fh, row = core.create(ROOT_INODE, b"d", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    pt.opened(fh, row.ino, os.O_WRONLY, False)
+    core.flush(fh)                        # close(2) of one copy of a dup'ed descriptor
+    assert core.getattr(row.ino).closed_at is not None
+    core.staging.path(row.ino).write_bytes(b"late")  # written through the other copy
+    pt.refresh(row.ino)
+    assert core.getattr(row.ino).closed_at is None
+    assert core.journal.get(row.ino).closed_at is None
+    core.release(fh)
+    pt.released(fh)
+    assert core.journal.get(row.ino).size == 4
