@@ -132,7 +132,6 @@ async def test_a_move_record_older_than_the_commit_is_not_followed(
         await b.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="the rename moves only what the store holds when it runs")
 async def test_tmp_dir_commit_right_after_the_barrier_moves_shards_still_uploading(
         tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
     """The job's barrier guarantees every rank's close(2) returned, not that its shard is in
