@@ -28,10 +28,9 @@ loses the job's own rename; the job would restart from the previous checkpoint, 
 does not model). Such a node *holds* other nodes' barriers (noderun.py) until an operator
 decides. The sim models the operator doing what docs/SEMANTICS.md asks before giving up what
 a node lost: the shard it lost is rewritten on that node (the sim knows its bytes; it goes to
-``step_N/`` if rank 0's rename already happened) and synced (``ckptfs sync``: the hold noted
-the node's queue when it saw the barrier, so an ack would not wait for a later rewrite), then
-``ckptfs nodes --forget ID`` of its own id on that node ends the hold. Without the operator
-the held markers would never go out.
+``step_N/`` if rank 0's rename already happened), then ``ckptfs nodes --forget ID`` of its
+own id on that node ends the hold; the markers held wait for the rewritten shards. Without
+the operator the held markers would never go out.
 
 Invariants, checked whenever a commit marker reaches the store and again at the end:
 - every marker in the store has all the shards of its checkpoint, byte for byte;
@@ -198,8 +197,8 @@ class Sim:
 
     async def operator(self, i: int, node: Node) -> None:
         """What the operator does for a node back from a power loss: rewrite what it may have
-        lost (its shards of checkpoints not yet complete in the store) and sync, then forget
-        its own id on the node (it acknowledges again)."""
+        lost (its shards of checkpoints not yet complete in the store), then forget its own id
+        on the node (it acknowledges again, once the rewritten shards are in the store)."""
         await trio.sleep(OPERATOR_DELAY)
         for checkpoint, shards in self.shards.items():
             step = int(checkpoint.removeprefix("step_"))
@@ -210,9 +209,6 @@ class Sim:
             obj = self.objects.get(f"{where}/{name}")
             if obj is None or obj.body != shards[name]:
                 await write_file(node.fs, f"{where}/{name}", shards[name])
-        # 'ckptfs sync' before the decision: a barrier seen while holding noted the queue as
-        # it was then, so the ack that follows the forget would not wait for the rewrite.
-        await node.uploader.wait_until_done(node.uploader.last_seq())
         await node.coordinator.forget(node.name)
 
     # -- the invariants ---------------------------------------------------------------------
