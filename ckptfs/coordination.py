@@ -37,6 +37,9 @@ says why in its registration, ``status`` and ``ckptfs nodes``. The hold ends onl
 operator's decision: ``ckptfs nodes --forget ID`` on another node (this node then finds its
 registration gone, clears the hold and registers again; markers held for it went out without
 what it lost), or ``--forget`` of its own id on this node (it clears the hold and acks).
+When the hold ends, the barriers held are noted again with the queue as it is then: shards
+the operator had rewritten on this node before deciding are waited for like any file closed
+before the barrier.
 
 Markers do not wait for other nodes' markers (an ack does not wait for the node's own
 markers): two nodes each holding a marker would otherwise wait for each other forever.
@@ -434,6 +437,7 @@ class Coordinator:
         seen: dict[str, _Seen] = {}
         acked: set[str] = set()
         first = True
+        held = False
         while True:
             try:
                 _, tag = await self._request("get", self.tier.get_small, EPOCH)
@@ -455,7 +459,14 @@ class Coordinator:
                 for name in set(seen) - listed:
                     del seen[name]  # withdrawn (its node restarted, or it was forgotten)
                 epoch = tag
-            self.held_barriers = sorted(seen) if self.hold is not None else []
+            if held and self.hold is None:
+                # The operator ended the hold: whatever was queued until then (the shards it
+                # lost, rewritten first) is "closed before" the barriers held, so the acks
+                # wait for it.
+                for name in seen:
+                    seen[name] = _Seen(self.queue.current_seq())
+            held = self.hold is not None
+            self.held_barriers = sorted(seen) if held else []
             for name, barrier in list(seen.items()):
                 if self.hold is not None:
                     break  # it cannot know what it closed before them (noderun.py)

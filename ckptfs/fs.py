@@ -124,6 +124,7 @@ class ChangeListener(Protocol):
     def inode_changed(self, ino: int) -> None: ...
     def closed(self, ino: int) -> None: ...
     def tree_moved(self, inos: list[int]) -> None: ...
+    def sweep_added(self, sweep_id: int) -> None: ...
     def tombstone_added(self, tomb_id: int, key: str) -> None: ...
     def cancel(self, ino: int) -> None: ...
     def last_seq(self) -> int: ...
@@ -137,6 +138,9 @@ class _NoListener:
         pass
 
     def closed(self, ino: int) -> None:
+        pass
+
+    def sweep_added(self, sweep_id: int) -> None:
         pass
 
     def tree_moved(self, inos: list[int]) -> None:
@@ -595,12 +599,23 @@ class Filesystem:
             dst_path = self.journal.path_of(dst.ino)
             replaced_keys = [k for k in replaced_keys
                              if not dst_path or k.rstrip("/") != os.fsdecode(dst_path)]
+        old_path = self.journal.path_of(src.ino) if stat.S_ISDIR(src.mode) else None
+        sweep = None
         with self.journal.transaction():
             moved, replaced = self.ns.rename(
                 old_parent, old_name, new_parent, new_name,
                 noreplace=bool(flags & RENAME_NOREPLACE), exchange=exchange,
             )
             tombs = [(self.journal.add_tombstone(k), k) for k in replaced_keys] if replaced else []
+            new_path = self.journal.path_of(moved.ino)
+            if old_path and new_path and not exchange:
+                # Other nodes may still be uploading files they closed into the directory
+                # before this rename (a tmp-dir commit right after the job's barrier): they
+                # are moved after every node has committed them (upload.py ``_sweep``).
+                sweep = self.journal.add_sweep(os.fsdecode(old_path) + "/",
+                                               os.fsdecode(new_path) + "/")
+        if sweep is not None:
+            self.listener.sweep_added(sweep)  # numbered before the tree's markers
         if replaced is not None and not exchange:
             self._forget_remote(replaced, tombs)
         for row in (moved, replaced) if exchange else (moved,):

@@ -123,6 +123,11 @@ CREATE TABLE IF NOT EXISTS tombstones (
     id  INTEGER PRIMARY KEY AUTOINCREMENT,
     key TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS sweeps (
+    id  INTEGER PRIMARY KEY AUTOINCREMENT,
+    old TEXT NOT NULL,
+    new TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS ranges (
     ino   INTEGER NOT NULL REFERENCES inodes(ino) ON DELETE CASCADE,
     start INTEGER NOT NULL,
@@ -526,6 +531,26 @@ class Journal:
         self._db.execute("DELETE FROM tombstones WHERE id = ?", (tomb_id,))
         if key is not None:
             self._note_tombstone(key)  # deleted just now: a listing on its way may list it
+
+    # -- sweeps: what other nodes left under a renamed directory --------------------------
+
+    def add_sweep(self, old: str, new: str) -> int:
+        """A directory was renamed from prefix ``old`` to ``new`` (both end in "/"): whatever
+        other nodes committed under ``old`` is to be moved to ``new`` (upload.py ``_sweep``)."""
+        cur = self._db.execute("INSERT INTO sweeps (old, new) VALUES (?, ?)", (old, new))
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def sweeps(self) -> list[int]:
+        return [int(r[0]) for r in self._db.execute("SELECT id FROM sweeps ORDER BY id")]
+
+    def sweep(self, sweep_id: int) -> tuple[str, str] | None:
+        found = self._db.execute("SELECT old, new FROM sweeps WHERE id = ?",
+                                 (sweep_id,)).fetchone()
+        return (str(found[0]), str(found[1])) if found else None
+
+    def drop_sweep(self, sweep_id: int) -> None:
+        self._db.execute("DELETE FROM sweeps WHERE id = ?", (sweep_id,))
 
     def drop_tombstones_for(self, key: str) -> list[int]:
         ids = [r[0] for r in self._db.execute("SELECT id FROM tombstones WHERE key = ?", (key,))]

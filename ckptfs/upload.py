@@ -72,7 +72,7 @@ BACKOFF_MAX = 60.0
 HURRY_DELAY = 1.0  # the longest a failed item waits while a writer waits for space
 _HASH_CHUNK = 8 * 1024 * 1024
 
-WorkKey = tuple[str, int]  # ("ino", inode) or ("tomb", tombstone id)
+WorkKey = tuple[str, int]  # ("ino", inode), ("tomb", tombstone id) or ("sweep", sweep id)
 
 
 @dataclass
@@ -185,6 +185,12 @@ class Uploader:
 
     def tombstone_added(self, tomb_id: int, key: str) -> None:
         self._queue(("tomb", tomb_id))
+
+    def sweep_added(self, sweep_id: int) -> None:
+        """A directory was renamed (journal ``sweeps``): once every node has committed what
+        it closed before now, what other nodes left under its old key goes to its new one.
+        Ordered as a marker is (``_pick``); the tree's markers, queued after it, follow it."""
+        self._queue(("sweep", sweep_id))
 
     def hurry(self) -> None:
         """A writer waits for space: retry failed items soon, whatever their backoff says."""
@@ -318,14 +324,23 @@ class Uploader:
             self._interrupted_keys.add(key)  # an unlinked file's upload may have been cut short
         rows = self.journal.unreconciled()
         # Markers last (larger numbers), whatever the journal's order: a marker renamed or
-        # closed before the crash must still reach the store after the files it stands for.
-        for row in self._markers_last(rows):
+        # closed before the crash must still reach the store after the files it stands for,
+        # and after the sweeps of renamed directories.
+        ordered = self._markers_last(rows)
+        first_marker = len([r for r in ordered if not self._names_marker(("ino", r.ino))])
+        for n, row in enumerate(ordered):
+            if n == first_marker:
+                for sweep_id in self.journal.sweeps():
+                    self.sweep_added(sweep_id)
             self._queue(("ino", row.ino))
             # Any of these may have been written (or copied to) when the crash came: leftovers
             # of an interrupted put or copy at its key are ours to clean up.
             path = self.journal.path_of(row.ino)
             if path:
                 self._interrupted_keys.add(os.fsdecode(path))
+        if first_marker == len(ordered):
+            for sweep_id in self.journal.sweeps():
+                self.sweep_added(sweep_id)
         for tomb_id, key in self.journal.tombstones():
             self.tombstone_added(tomb_id, key)
 
@@ -361,8 +376,9 @@ class Uploader:
             target, source, park = plan
             if self.keys.busy((target, source)):
                 continue
-            marker = work.key[0] == "ino" and target is not None and not park and is_marker(
-                target.rstrip("/").rsplit("/", 1)[-1], self.markers)
+            marker = work.key[0] == "sweep" or (
+                work.key[0] == "ino" and target is not None and not park and is_marker(
+                    target.rstrip("/").rsplit("/", 1)[-1], self.markers))
             if marker and floor < work.seq:
                 continue
             if marker and self.coordinator is not None and \
@@ -379,6 +395,8 @@ class Uploader:
         2); None while it must wait for another file to move away from its key (rule 1)."""
         if work.key[0] == "tomb":
             return self.journal.tombstone_key(work.key[1]), None, False
+        if work.key[0] == "sweep":
+            return None, None, False
         try:
             row = self.ns.get(work.key[1])
         except NotFound:
@@ -465,7 +483,7 @@ class Uploader:
         if not transient:
             self.stats.failures += 1
         log.warning("%s %s failed (attempt %d, retry in %.1fs): %s",
-                    "upload of" if work.key[0] == "ino" else "deletion of",
+                    {"ino": "upload of", "tomb": "deletion of"}.get(work.key[0], "sweep"),
                     work.target or work.key, work.attempts, delay, work.error)
         queued = self._pending.get(work.key)
         if queued is None:
@@ -487,6 +505,9 @@ class Uploader:
                     await self.tier.delete(key)
                     self.stats.deleted += 1
                 self.journal.drop_tombstone(ident)
+            return
+        if kind == "sweep":
+            await self._sweep(ident)
             return
         try:
             row = self.ns.get(ident)
@@ -625,6 +646,43 @@ class Uploader:
             self.ns.persist(row)
             self._retire(old_key)
         self.stats.moved += 1
+
+    async def _sweep(self, sweep_id: int) -> None:
+        """A directory renamed here from ``old`` to ``new``: every node has committed what it
+        closed before the rename (the sweep waited for a barrier, as a marker does), so any
+        key still under ``old`` that this node does not hold is another node's file closed
+        into the directory before the rename (a shard still uploading when rank 0 renamed
+        ``step_N.tmp``). It is copied to ``new`` and its old key deleted, after a move record
+        that its node follows (peers.py) instead of uploading it again."""
+        found = self.journal.sweep(sweep_id)
+        if found is None:
+            return
+        old, new = found
+        claimed = self.keys.claimed() | self.journal.tombstoned_under(old) \
+            | set(self.journal.claimed_under(old)) | self.journal.hidden_under(old)
+        left = [info for info in await self.tier.list(old)
+                if info.key.startswith(old) and info.key not in claimed]
+        if left and self.coordinator is not None:
+            await self.moves.moved(old, new, math.inf)  # newer than any commit of theirs
+        for info in left:
+            target = new + info.key[len(old):]
+            if self.keys.busy((target,)) or self.journal.holder_of(target) is not None:
+                continue  # written here since, under the new name: ours wins
+            try:
+                if info.key.endswith("/"):  # another node's directory marker
+                    try:
+                        await self.tier.head(target)
+                    except ObjectMissing:
+                        await self.tier.put_entry(target, (await self.tier.head(info.key)).meta)
+                else:
+                    await self.tier.copy(info.key, target)
+            except ObjectMissing:
+                continue  # gone meanwhile (its node moved or removed it)
+            self.stats.moved += 1
+        with self.journal.transaction():
+            for info in left:
+                self._retire(info.key)
+            self.journal.drop_sweep(sweep_id)
 
     async def _still_there(self, ino: int, key: str) -> Row | None:
         """After a put to ``key``: the entry's row, or None if it was removed meanwhile. Then

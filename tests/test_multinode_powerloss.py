@@ -208,3 +208,23 @@ def test_a_mount_back_from_a_power_loss_says_it_holds_until_told(
     b.umount()
     b.remount()  # stopped cleanly on this boot: no hold
     assert mounting_status(b)["node"]["hold"] is None
+
+
+async def test_shards_rewritten_before_the_operator_forgets_are_waited_for(
+    tmp_path: Path, store: str, clock: trio.abc.Clock
+) -> None:
+    """"Rewrite the lost shards first" (docs/SEMANTICS.md): B rewrites its lost shard, then
+    the operator forgets B's own id on B. The ack that follows must wait for the rewritten
+    shard (the barrier was noted while B held, before the rewrite), or the marker goes out
+    without it."""
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await _shard_closed_then_lost(nursery, tmp_path, store, row_lost=True)
+        await trio.sleep(60)
+        assert b.coordinator.held_barriers
+        b.tier.bandwidth = 1_000
+        await b.write("step_1/__1_0.distcp", b"b" * 50_000)  # 50 s to upload
+        await b.coordinator.forget(b.name)
+        await wait_for(lambda: "step_1/.metadata" in keys(store))
+        assert store_named(store)["step_1/__1_0.distcp"].body == b"b" * 50_000
+        await a.stop()
+        await b.stop()

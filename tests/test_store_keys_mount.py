@@ -214,10 +214,6 @@ def test_directory_exchange_then_evict_reads_the_swapped_bytes(
     assert (b.path / "nxt/model.pt").read_bytes() == cur
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a shard closed before rank 0's rename but still uploading when it runs lands under the "
-    "old name; the marker's barrier counts it there, so step_1/.metadata is committed "
-    "without it (report of the s7-mounts session)"))
 def test_tmp_dir_commit_while_another_nodes_shard_is_uploading(
         mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
     """DCP into ``step_1.tmp/`` then rank 0's rename, as frameworks do after the job's
