@@ -675,7 +675,8 @@ class Uploader:
                     except ObjectMissing:
                         await self.tier.put_entry(target, (await self.tier.head(info.key)).meta)
                 else:
-                    await self.tier.copy(info.key, target)
+                    # Pinned to the version listed: rewritten since, the sweep runs again.
+                    await self.tier.copy(info.key, target, if_etag=info.etag)
             except ObjectMissing:
                 continue  # gone meanwhile (its node moved or removed it)
             self.stats.moved += 1

@@ -87,9 +87,10 @@ class CheckingTier(MemoryTier):
         self.sim.stored(key)
         return tag
 
-    async def copy(self, src: str, dst: str) -> None:
-        await super().copy(src, dst)
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
+        tag = await super().copy(src, dst, if_etag=if_etag)
         self.sim.stored(dst)
+        return tag
 
 
 async def lookup_path(fs: Filesystem, path: str) -> int:
