@@ -326,21 +326,18 @@ class Uploader:
         # Markers last (larger numbers), whatever the journal's order: a marker renamed or
         # closed before the crash must still reach the store after the files it stands for,
         # and after the sweeps of renamed directories.
-        ordered = self._markers_last(rows)
-        first_marker = len([r for r in ordered if not self._names_marker(("ino", r.ino))])
-        for n, row in enumerate(ordered):
-            if n == first_marker:
-                for sweep_id in self.journal.sweeps():
-                    self.sweep_added(sweep_id)
+        plain, markers = self._split_markers(rows)
+        for n, row in enumerate(plain + markers):
+            if n == len(plain):
+                self._queue_sweeps()
             self._queue(("ino", row.ino))
             # Any of these may have been written (or copied to) when the crash came: leftovers
             # of an interrupted put or copy at its key are ours to clean up.
             path = self.journal.path_of(row.ino)
             if path:
                 self._interrupted_keys.add(os.fsdecode(path))
-        if first_marker == len(ordered):
-            for sweep_id in self.journal.sweeps():
-                self.sweep_added(sweep_id)
+        if not markers:
+            self._queue_sweeps()
         for tomb_id, key in self.journal.tombstones():
             self.tombstone_added(tomb_id, key)
 
@@ -420,9 +417,18 @@ class Uploader:
 
     def _markers_last(self, rows: list[Row]) -> list[Row]:
         """``rows`` in their order, but every commit marker after every other entry."""
+        plain, markers = self._split_markers(rows)
+        return plain + markers
+
+    def _split_markers(self, rows: list[Row]) -> tuple[list[Row], list[Row]]:
+        """``rows`` without the commit markers, and the markers (each in their order)."""
         def marker(row: Row) -> bool:  # by name, as _pick judges (a `latest` symlink too)
             return is_marker(os.fsdecode(row.name or b""), self.markers)
-        return [r for r in rows if not marker(r)] + [r for r in rows if marker(r)]
+        return [r for r in rows if not marker(r)], [r for r in rows if marker(r)]
+
+    def _queue_sweeps(self) -> None:
+        for sweep_id in self.journal.sweeps():
+            self.sweep_added(sweep_id)
 
     def _names_marker(self, key: WorkKey) -> bool:
         if key[0] != "ino":
