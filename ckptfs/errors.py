@@ -31,31 +31,31 @@ class FsError(CkptfsError):
 
 
 class NotFound(FsError):
-    pass
+    """ENOENT (errno table below)."""
 
 
 class AlreadyExists(FsError):
-    pass
+    """EEXIST (errno table below)."""
 
 
 class NotEmpty(FsError):
-    pass
+    """ENOTEMPTY (errno table below)."""
 
 
 class NotADirectory(FsError):
-    pass
+    """ENOTDIR (errno table below)."""
 
 
 class IsADirectory(FsError):
-    pass
+    """EISDIR (errno table below)."""
 
 
 class NameTooLong(FsError):
-    pass
+    """ENAMETOOLONG (errno table below)."""
 
 
 class InvalidArgument(FsError):
-    pass
+    """EINVAL (errno table below)."""
 
 
 class NotPermitted(FsError):
@@ -63,11 +63,11 @@ class NotPermitted(FsError):
 
 
 class NoSuchAttribute(FsError):
-    pass
+    """ENODATA (errno table below)."""
 
 
 class Unsupported(FsError):
-    pass
+    """EOPNOTSUPP (errno table below)."""
 
 
 class BadHandle(FsError):
@@ -79,7 +79,7 @@ class StagingFull(FsError):
 
 
 class CrossDevice(FsError):
-    pass
+    """EXDEV (errno table below)."""
 
 
 class StoreUnavailable(CkptfsError):

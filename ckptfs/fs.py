@@ -135,34 +135,34 @@ class ChangeListener(Protocol):
 
 class _NoListener:
     def inode_changed(self, ino: int) -> None:
-        pass
+        return None
 
     def closed(self, ino: int) -> None:
-        pass
+        return None
 
     def sweep_added(self, sweep_id: int) -> None:
-        pass
+        return None
 
     def tree_moved(self, inos: list[int]) -> None:
-        pass
+        return None
 
     def tombstone_added(self, tomb_id: int, key: str) -> None:
-        pass
+        return None
 
     def cancel(self, ino: int) -> None:
-        pass
+        return None
 
     def last_seq(self) -> int:
         return 0
 
     async def wait_until_done(self, upto_seq: int) -> None:
-        pass
+        return None
 
     async def wait_progress(self) -> None:
         await trio.sleep_forever()  # nothing will ever be uploaded, so nothing frees up
 
     def hurry(self) -> None:
-        pass
+        return None
 
 
 def state_label(row: Row) -> str:
