@@ -22,7 +22,9 @@ The rules that follow (docs/SEMANTICS.md, "Store keys"):
    exchange, ``mv a t; mv b a; mv t b`` of evicted files) would wait forever: one of them is
    first moved to a parking key of its own (``PARKING_PREFIX``, under the nodes' control
    prefix, never listed as an entry), which frees its old key; from there it moves to its
-   path like any other move, and the parked copy is retired.
+   path like any other move, and the parked copy is retired. A commit marker moving away
+   from a key that an earlier item waits for is parked the same way (as a marker it would
+   wait for that item in turn); parking publishes nothing, so it needs no order.
 3. **Copies are pinned**: a move copies its source only if the source still holds the
    version the journal recorded (the caller passes the tag it just checked to
    ``Tier.copy(..., if_etag=...)``), so another node's write between the check and the copy

@@ -150,6 +150,9 @@ class Uploader:
         self._interrupted_keys: set[str] = set()
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
         self.moves = MoveRecorder(tier)
+        # During one ``_pick``: the inode each waiting item waits for (keys.py rule 1) -> the
+        # smallest number waiting for it.
+        self._waits: dict[int, int] = {}
         # Set when other nodes may write to the same store (coordination.py): markers then
         # also wait for every node's files closed before them.
         self.coordinator: Coordinator | None = None
@@ -361,6 +364,7 @@ class Uploader:
         floor = min([w.seq for w in (*self._pending.values(), *self._inflight.values())]
                     + list(self._closing.values()), default=math.inf)
         wake_at = math.inf
+        self._waits.clear()
         for work in sorted(self._pending.values(), key=lambda w: w.seq):
             if work.key in self._inflight:
                 continue
@@ -371,11 +375,17 @@ class Uploader:
             if plan is None:
                 continue  # waits for a file to move away from its key (keys.py rule 1)
             target, source, park = plan
-            if self.keys.busy((target, source)):
-                continue
             marker = work.key[0] == "sweep" or (
                 work.key[0] == "ino" and target is not None and not park and is_marker(
                     target.rstrip("/").rsplit("/", 1)[-1], self.markers))
+            if marker and floor < work.seq and source is not None and \
+                    self._waits.get(work.key[1], math.inf) < work.seq:
+                # A marker moving away from a key that an earlier item waits for: it would
+                # wait for that item, which waits for it. Its copy steps aside to a parking
+                # key (no publication, so no order to keep); it moves on in its turn.
+                target, park, marker = self.keys.parking_key(work.key[1]), True, False
+            if self.keys.busy((target, source)):
+                continue
             if marker and floor < work.seq:
                 continue
             if marker and self.coordinator is not None and \
@@ -407,6 +417,7 @@ class Uploader:
             return key, None, False
         blocker, cycle = self.keys.blocker(row, key)
         if blocker is not None and not cycle:
+            self._waits[blocker.ino] = min(self._waits.get(blocker.ino, work.seq), work.seq)
             if ("ino", blocker.ino) not in self._pending and \
                     ("ino", blocker.ino) not in self._inflight:
                 self._queue(("ino", blocker.ino))  # its move is what we wait for

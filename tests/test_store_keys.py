@@ -207,3 +207,32 @@ async def test_a_move_copies_only_the_version_it_checked(
     assert rig.objects.get("ckpt.prev") is None or \
         rig.objects["ckpt.prev"].body == b"old" * 1000
     assert rig.uploader.failed()  # reported: the only copy of ckpt.prev was overwritten
+
+
+async def test_a_marker_moving_away_from_a_key_a_new_marker_wants_does_not_deadlock(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``step/.metadata`` (evicted) moves with ``mv step old``; a new ``step/.metadata`` is
+    written; then ``mv old older`` numbers the moving marker after the new one. The new one
+    waits for the old one to leave its key, the old one (a marker) waits for every earlier
+    item: the old copy is parked first, which is no publication and needs no order."""
+    await rig.write("step/shard", b"s" * 1000)
+    await rig.write("step/.metadata", b"old meta")
+    await rig.settle()
+    await _evict(rig, "step/shard", "step/.metadata")
+    gate = trio.Event()
+    head = rig.tier.head
+
+    async def gated_head(key: str) -> ObjectInfo:
+        if key == "step/shard":
+            await gate.wait()  # the shard's move (and so the marker's) waits for the renames
+        return await head(key)
+
+    rig.tier.head = gated_head  # type: ignore[method-assign]
+    await rig.fs.rename(ROOT, b"step", ROOT, b"old")
+    await rig.write("step/.metadata", b"new meta")
+    await rig.fs.rename(ROOT, b"old", ROOT, b"older")
+    gate.set()
+    with trio.fail_after(600):
+        await rig.settle()
+    assert rig.files() == {"older/shard": b"s" * 1000, "older/.metadata": b"old meta",
+                           "step/.metadata": b"new meta"}
