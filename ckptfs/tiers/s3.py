@@ -268,22 +268,31 @@ class S3Tier(Tier):
             async with trio.open_nursery() as nursery:
                 for number in range(1, count + 1):
                     nursery.start_soon(part, number)  # at most part_concurrency send at once
-            done: dict[str, Any] = await self._call(
-                self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": [{"ETag": e, "PartNumber": i + 1}
-                                           for i, e in enumerate(etags)]},
-            )
+            done = await self._complete(full, upload_id, etags)
         except BaseException:
-            with trio.CancelScope(shield=True):
-                try:
-                    await self._call(self.client.abort_multipart_upload, Bucket=self.bucket,
-                                     Key=full, UploadId=upload_id)
-                except (StoreUnavailable, TierError, ObjectMissing) as exc:
-                    log.warning("could not abort multipart upload of %s (cleaned up at the "
-                                "next start): %s", full, exc)
+            await self._abort(full, upload_id, "upload of")
             raise
         return done
+
+    async def _complete(self, full: str, upload_id: str, etags: list[str | None]) -> dict[str, Any]:
+        done: dict[str, Any] = await self._call(
+            self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": [{"ETag": e, "PartNumber": i + 1}
+                                       for i, e in enumerate(etags)]},
+        )
+        return done
+
+    async def _abort(self, full: str, upload_id: str, what: str) -> None:
+        """Abort a multipart upload that failed or was cancelled (shielded: a cancelled
+        upload is aborted too); a failure here is left to the next start's cleanup."""
+        with trio.CancelScope(shield=True):
+            try:
+                await self._call(self.client.abort_multipart_upload, Bucket=self.bucket,
+                                 Key=full, UploadId=upload_id)
+            except (StoreUnavailable, TierError, ObjectMissing) as exc:
+                log.warning("could not abort multipart %s %s (cleaned up at the next start): "
+                            "%s", what, full, exc)
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         if meta.kind is Kind.DIRECTORY:
@@ -496,20 +505,9 @@ class S3Tier(Tier):
                     nursery.start_soon(copy_part, number, nursery.cancel_scope)
             if failed:
                 raise failed[0]
-            done: dict[str, Any] = await self._call(
-                self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": [{"ETag": e, "PartNumber": i + 1}
-                                           for i, e in enumerate(etags)]},
-            )
+            done = await self._complete(full, upload_id, etags)
         except BaseException:
-            with trio.CancelScope(shield=True):
-                try:
-                    await self._call(self.client.abort_multipart_upload, Bucket=self.bucket,
-                                     Key=full, UploadId=upload_id)
-                except (StoreUnavailable, TierError, ObjectMissing) as exc:
-                    log.warning("could not abort multipart copy to %s (cleaned up at the "
-                                "next start): %s", full, exc)
+            await self._abort(full, upload_id, "copy to")
             raise
         new = done.get("ETag")
         return str(new) if new else None
