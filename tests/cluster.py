@@ -55,8 +55,8 @@ class Node:
 
 
 async def write_file(fs: Filesystem, path: str, data: bytes, mode: int = 0o644) -> int:
-    """Create ``path`` (and its directories) on the core, write ``data``, close it as close(2)
-    does (FLUSH, then RELEASE); returns its inode."""
+    """Create (or truncate) ``path`` (and its directories) on the core, write ``data``, close
+    it as close(2) does (FLUSH, then RELEASE); returns its inode."""
     parent = ROOT_INODE
     parts = path.split("/")
     for part in parts[:-1]:
@@ -67,11 +67,17 @@ async def write_file(fs: Filesystem, path: str, data: bytes, mode: int = 0o644) 
                 parent = fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
             except errors.AlreadyExists:  # another writer of this node made it meanwhile
                 parent = (await fs.lookup(parent, part.encode())).ino
-    fh, row = fs.create(parent, parts[-1].encode(), mode, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    try:  # written before: a new version, as open(O_TRUNC) makes it
+        ino = (await fs.lookup(parent, parts[-1].encode())).ino
+        fh = await fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+    except errors.NotFound:
+        fh, row = fs.create(parent, parts[-1].encode(), mode, os.O_WRONLY | os.O_CREAT,
+                            ROOT_CALLER)
+        ino = row.ino
     await fs.write(fh, 0, data)
     fs.flush(fh)
     fs.release(fh)
-    return row.ino
+    return ino
 
 
 def make_tier(store: str, wrap: Tier | None = None) -> FaultyTier:

@@ -57,13 +57,13 @@ import trio
 import trio.testing
 
 from ckptfs import errors
-from ckptfs.fs import ROOT_CALLER, Filesystem
+from ckptfs.fs import Filesystem
 from ckptfs.integrity import format_crc
 from ckptfs.journal import ROOT_INODE, State
 from ckptfs.tiers.base import CONTROL_PREFIX, ObjectMeta, Progress
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier, store_named
-from tests.cluster import Node, durable_point, power_loss, run_node
+from tests.cluster import Node, durable_point, power_loss, run_node, write_file
 
 NODES = int(os.environ.get("CKPTFS_SIM_NODES", "64"))
 SAVES = int(os.environ.get("CKPTFS_SIM_SAVES", "6"))
@@ -97,31 +97,6 @@ async def lookup_path(fs: Filesystem, path: str) -> int:
     ino = ROOT_INODE
     for part in path.split("/"):
         ino = (await fs.lookup(ino, part.encode())).ino
-    return ino
-
-
-async def write_file(fs: Filesystem, path: str, data: bytes) -> int:
-    """open(O_CREAT|O_TRUNC) + write + close, creating directories: returns the inode."""
-    parent = ROOT_INODE
-    parts = path.split("/")
-    for part in parts[:-1]:
-        try:
-            parent = (await fs.lookup(parent, part.encode())).ino
-        except errors.NotFound:
-            try:
-                parent = fs.mkdir(parent, part.encode(), 0o755, ROOT_CALLER).ino
-            except errors.AlreadyExists:
-                parent = (await fs.lookup(parent, part.encode())).ino
-    try:
-        ino = (await fs.lookup(parent, parts[-1].encode())).ino
-        fh = await fs.open(ino, os.O_WRONLY | os.O_TRUNC)
-    except errors.NotFound:
-        fh, row = fs.create(parent, parts[-1].encode(), 0o644, os.O_WRONLY | os.O_CREAT,
-                            ROOT_CALLER)
-        ino = row.ino
-    await fs.write(fh, 0, data)
-    fs.flush(fh)
-    fs.release(fh)
     return ino
 
 
