@@ -19,22 +19,17 @@ import shutil
 import sqlite3
 import stat
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
 
-from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.fs import ROOT_CALLER, Filesystem, state_label
+from ckptfs.fs import ROOT_CALLER, state_label
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.noderun import RUN_FILE, boot_id
-from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers.memory import store_named
-from ckptfs.upload import Uploader
-from tests.cluster import make_tier
-from tests.test_read_path import SETTINGS, Node
+from tests.test_read_path import Node, node
 
 DATA = os.urandom(700_000)
 PATH = "step_1/model.pt"
@@ -87,33 +82,6 @@ class Disk:
 def lose_power(root: Path, boot: str = "a boot before the power loss") -> None:
     """The run record a run over ``root`` that never stopped leaves, on boot ``boot``."""
     (root / RUN_FILE).write_text(json.dumps({"boot_id": boot, "clean": False, "pid": 1}))
-
-
-@asynccontextmanager
-async def node(root: Path, store: str, max_bytes: int | None = None) -> AsyncIterator[Node]:
-    """tests.test_read_path.node, with a space budget."""
-    tier = make_tier(store)
-    staging = Staging(root)
-    staging.prepare()
-    journal = Journal(root / "journal.db")
-    fs = Filesystem(journal, staging, tier=tier, read=SETTINGS,
-                    space=SpaceBudget(staging, max_bytes, 0.0))
-    fs.start()
-    uploader = Uploader(journal, fs.ns, staging, tier, concurrency=4,
-                        markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size)
-    fs.listener = uploader
-    uploader.requeue_from_journal()
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(uploader.run)
-            assert fs.fetcher is not None
-            fs.fetcher.nursery = nursery
-            yield Node(fs, tier)
-            nursery.cancel_scope.cancel()
-    finally:
-        fs.close()
-        journal.close()
-        staging.close()
 
 
 async def _committed(root: Path, store: str) -> int:

@@ -24,7 +24,7 @@ from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
-from ckptfs.staging import Staging
+from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier, _Object, store_named
@@ -68,15 +68,18 @@ class Node:
 
 
 @asynccontextmanager
-async def node(root: Path, store: str, settings: ReadSettings = SETTINGS
-               ) -> AsyncIterator[Node]:
+async def node(root: Path, store: str, settings: ReadSettings = SETTINGS, *,
+               max_bytes: int | None = None) -> AsyncIterator[Node]:
+    """A node (core + uploader) over ``root``, started as a mount starts it; ``max_bytes``
+    caps its staging space."""
     from ckptfs.upload import Uploader
 
     tier = FaultyTier(MemoryTier("warm", f"memory://{store}", store))
     staging = Staging(root)
     staging.prepare()
     journal = Journal(root / "journal.db")
-    fs = Filesystem(journal, staging, tier=tier, read=settings)
+    fs = Filesystem(journal, staging, tier=tier, read=settings,
+                    space=SpaceBudget(staging, max_bytes, 0.0))
     fs.start()
     uploader = Uploader(journal, fs.ns, staging, tier, concurrency=4,
                         markers=DEFAULT_COMMIT_MARKERS, min_block=settings.fetch_block_size)
