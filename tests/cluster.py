@@ -120,10 +120,10 @@ async def run_node(
                 await nursery.start(coordinator.run)
                 assert fs.fetcher is not None
                 fs.fetcher.nursery = nursery
-                node = Node(coordinator.node, fs, tier, uploader, coordinator, scope,
-                            trio.Event(), stopped)
-                task_status.started(node)
-                await node.stop_requested.wait()
+                started = Node(coordinator.node, fs, tier, uploader, coordinator, scope,
+                               trio.Event(), stopped)
+                task_status.started(started)
+                await started.stop_requested.wait()
                 idle = not uploader.outstanding()  # as mount.py: before the cancellation
                 nursery.cancel_scope.cancel()
         if not scope.cancel_called and idle:
