@@ -16,7 +16,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_INODE
 from ckptfs.peers import MOVED, move_roots
 from ckptfs.tiers.memory import store_named
-from tests.cluster import make_tier, run_node
+from tests.cluster import Node, make_tier, run_node
 
 
 @pytest.fixture
@@ -153,6 +153,21 @@ async def test_a_directory_rename_lists_it_again_within_its_ttl(
         await b.stop()
 
 
+async def _rename_while_b_uploads(nursery: trio.Nursery, tmp_path: Path,
+                                  store: str) -> tuple[Node, Node]:
+    """Nodes A and B write ``step_1.tmp/``; rank 0 (A) writes the marker after the job's
+    barrier and renames the directory while B's shard is still uploading (10 s)."""
+    a = await nursery.start(run_node, tmp_path / "a", store)
+    slow = make_tier(store)
+    slow.bandwidth = 1000  # B's shard takes 10 s
+    b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, tier=slow))
+    await a.write("step_1.tmp/shard_0", b"a" * 1000)
+    await b.write("step_1.tmp/shard_1", b"b" * 10_000)
+    await a.write("step_1.tmp/.metadata", b"meta")  # after the job's barrier
+    await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+    return a, b
+
+
 async def test_tmp_dir_commit_right_after_the_barrier_moves_shards_still_uploading(
         tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
     """The job's barrier guarantees every rank's close(2) returned, not that its shard is in
@@ -160,14 +175,7 @@ async def test_tmp_dir_commit_right_after_the_barrier_moves_shards_still_uploadi
     node B's shard is still uploading. The marker must not reach the store before B's shard
     is at ``step_1/``, and nothing may be left under ``step_1.tmp/``."""
     async with trio.open_nursery() as nursery:
-        a = await nursery.start(run_node, tmp_path / "a", store)
-        slow = make_tier(store)
-        slow.bandwidth = 1000  # B's shard takes 10 s
-        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, tier=slow))
-        await a.write("step_1.tmp/shard_0", b"a" * 1000)
-        await b.write("step_1.tmp/shard_1", b"b" * 10_000)
-        await a.write("step_1.tmp/.metadata", b"meta")  # after the job's barrier
-        await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+        a, b = await _rename_while_b_uploads(nursery, tmp_path, store)
         with trio.fail_after(600):
             while "step_1/.metadata" not in store_named(store):
                 await trio.sleep(0.5)
@@ -189,14 +197,7 @@ async def test_the_sweep_of_a_rename_survives_a_kill_of_the_renaming_node(
     """Rank 0 is killed right after its rename, before the sweep ran: the sweep is in the
     journal and runs after the restart."""
     async with trio.open_nursery() as nursery:
-        a = await nursery.start(run_node, tmp_path / "a", store)
-        slow = make_tier(store)
-        slow.bandwidth = 1000
-        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, tier=slow))
-        await a.write("step_1.tmp/shard_0", b"a" * 1000)
-        await b.write("step_1.tmp/shard_1", b"b" * 10_000)
-        await a.write("step_1.tmp/.metadata", b"meta")
-        await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+        a, b = await _rename_while_b_uploads(nursery, tmp_path, store)
         assert a.fs.journal.sweeps()
         a.kill()
         await a.stopped.wait()
