@@ -150,9 +150,6 @@ class Uploader:
         self._interrupted_keys: set[str] = set()
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
         self.moves = MoveRecorder(tier)
-        # During one ``_pick``: the inode each waiting item waits for (keys.py rule 1) -> the
-        # smallest number waiting for it.
-        self._waits: dict[int, int] = {}
         # Set when other nodes may write to the same store (coordination.py): markers then
         # also wait for every node's files closed before them.
         self.coordinator: Coordinator | None = None
@@ -364,14 +361,16 @@ class Uploader:
         floor = min([w.seq for w in (*self._pending.values(), *self._inflight.values())]
                     + list(self._closing.values()), default=math.inf)
         wake_at = math.inf
-        self._waits.clear()
+        # The inode each waiting item waits for (keys.py rule 1) -> the smallest number
+        # waiting for it: items are looked at in number order, so it is known in time.
+        waits: dict[int, int] = {}
         for work in sorted(self._pending.values(), key=lambda w: w.seq):
             if work.key in self._inflight:
                 continue
             if work.not_before > now:
                 wake_at = min(wake_at, work.not_before)
                 continue
-            plan = self._plan(work)
+            plan = self._plan(work, waits)
             if plan is None:
                 continue  # waits for a file to move away from its key (keys.py rule 1)
             target, source, park = plan
@@ -379,7 +378,7 @@ class Uploader:
                 work.key[0] == "ino" and target is not None and not park and is_marker(
                     target.rstrip("/").rsplit("/", 1)[-1], self.markers))
             if marker and floor < work.seq and source is not None and \
-                    self._waits.get(work.key[1], math.inf) < work.seq:
+                    waits.get(work.key[1], math.inf) < work.seq:
                 # A marker moving away from a key that an earlier item waits for: it would
                 # wait for that item, which waits for it. Its copy steps aside to a parking
                 # key (no publication, so no order to keep); it moves on in its turn.
@@ -397,9 +396,11 @@ class Uploader:
             return work, wake_at
         return None, wake_at
 
-    def _plan(self, work: Work) -> tuple[str | None, str | None, bool] | None:
+    def _plan(self, work: Work, waits: dict[int, int]
+              ) -> tuple[str | None, str | None, bool] | None:
         """The keys ``work`` would write and copy from, and whether it parks (keys.py rule
-        2); None while it must wait for another file to move away from its key (rule 1)."""
+        2); None while it must wait for another file to move away from its key (rule 1),
+        which it notes in ``waits``."""
         if work.key[0] == "tomb":
             return self.journal.tombstone_key(work.key[1]), None, False
         if work.key[0] == "sweep":
@@ -417,7 +418,7 @@ class Uploader:
             return key, None, False
         blocker, cycle = self.keys.blocker(row, key)
         if blocker is not None and not cycle:
-            self._waits[blocker.ino] = min(self._waits.get(blocker.ino, work.seq), work.seq)
+            waits[blocker.ino] = min(waits.get(blocker.ino, work.seq), work.seq)
             if ("ino", blocker.ino) not in self._pending and \
                     ("ino", blocker.ino) not in self._inflight:
                 self._queue(("ino", blocker.ino))  # its move is what we wait for
