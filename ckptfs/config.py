@@ -220,6 +220,9 @@ class Config(_Strict):
     # straight from the staging file. "auto" falls back with one log line, "on" fails the
     # mount with the reason, "off" never asks (and keeps the stock pyfuse3).
     passthrough: Literal["auto", "on", "off"] = "off"
+    # Budget a passthrough writer holds ahead of its writes (the daemon never sees them to
+    # stall them): a writable open that cannot get it is served by the daemon instead.
+    passthrough_write_reserve: int = Field(default=1024**3, ge=1024**2)
     metadata_ttl: Duration = timedelta(seconds=10)
     # Read path: missing data is fetched in aligned blocks of fetch_block_size (at least; an
     # object's own integrity blocks may be larger), fetch_concurrency range GETs at once, and

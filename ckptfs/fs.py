@@ -889,6 +889,11 @@ class Filesystem:
         self.evict(*victims)  # one durable journal commit for the lot
         return freed
 
+    def evict_for_space(self, nbytes: int) -> int:
+        """Make room for a writer the daemon cannot stall (a passthrough open): evict at once,
+        without waiting; returns the bytes freed."""
+        return self._evict(nbytes)
+
     def evict(self, *rows: Row) -> None:
         """Drop the local copies of committed files; they stay readable from the warm tier.
 

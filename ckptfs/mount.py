@@ -215,9 +215,12 @@ async def _serve_registered(
             # writer's new files) then never wait for the store.
             await fs.lister.refresh(fs.getattr(ROOT_INODE))
             ops = FuseOps(fs, attr_timeout=min(10.0, config.metadata_ttl.total_seconds()),
-                          passthrough=PassthroughFiles(fs, passthrough.request,
-                                                       passthrough.reason))
+                          passthrough=PassthroughFiles(
+                              fs, passthrough.request, passthrough.reason,
+                              write_reserve=config.passthrough_write_reserve))
             control.passthrough = ops.passthrough
+            if passthrough.request:
+                nursery.start_soon(ops.passthrough.watch)
             if config.read_ahead_kb:
                 # After our INIT reply: the kernel lowers the readahead to what it offered
                 # in INIT (its default), so it is raised once that is done.

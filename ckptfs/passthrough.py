@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import trio
+
 from ckptfs.errors import UserError
 from ckptfs.journal import State
 
@@ -249,10 +251,15 @@ def file_info_fields(backing_id: int, direct_io: bool) -> dict[str, Any]:
 
 # -- the mount's passthrough opens
 
-# A writable open goes passthrough only while the staging budget has this much room: the
-# daemon cannot stall a write it never sees, so a writer that may fill the disk is served by
-# the daemon, which evicts committed copies and waits for uploads (``write_stall_timeout``).
+# What a passthrough writer holds of the staging budget ahead of its writes (configurable:
+# ``passthrough_write_reserve``). The daemon cannot stall a write it never sees, so a writable
+# open goes passthrough only if this much can be reserved (evicting committed copies if need
+# be); otherwise it is served by the daemon, which waits for uploads (``write_stall_timeout``).
 WRITE_HEADROOM = 1 << 30
+# How often ``watch`` looks at the staging files of passthrough writers: their growth is
+# charged to the budget and their reserve topped up (evicting committed copies) between
+# requests, since a writer may write gigabytes without sending the daemon any.
+WATCH_INTERVAL = 0.2
 
 
 @dataclass(slots=True)
@@ -271,13 +278,23 @@ class PassthroughFiles:
     - An open is *eligible* when every byte of the file is in its staging file: any state but
       REMOTE (a REMOTE file is fetched range by range on demand: daemon-served, so its reads
       fault in; once wholly fetched it is COMMITTED, and later opens may go passthrough once
-      every daemon-served open of it is released, ``BackingTable``). A writable open is also
-      eligible only while the space budget has ``WRITE_HEADROOM`` left.
+      every daemon-served open of it is released, ``BackingTable``). A writable first open
+      is also eligible only if ``write_reserve`` bytes of the space budget can be reserved
+      for it (after evicting committed copies if need be).
     - Writes through passthrough never reach the daemon: ``refresh`` copies the staging
       file's size and mtime into the row (marked dirty, persisted by the core at flush, fsync
-      and release as for a daemon write) and charges the growth to the space budget. The
-      adapter calls it before it answers with attributes and before flush/fsync/release, so
-      the journal and the upload see every byte written before close(2).
+      and release as for a daemon write) and charges the growth to the space budget, from
+      the inode's reserve first. The adapter calls it before it answers with attributes and
+      before flush/fsync/release, so the journal and the upload see every byte written
+      before close(2); ``watch`` calls it for inodes with passthrough writers every
+      ``WATCH_INTERVAL`` and tops their reserve up, evicting committed copies, so the budget
+      follows a long write and room is made ahead of it. The reserve left is given back at
+      the last writable release.
+    - Invariant: ``fs.space.used`` counts every byte of a passthrough file that ``refresh``
+      has seen plus the reserves held; a writer that outruns its reserve while nothing can be
+      evicted is charged anyway (the bytes are on disk), and it meets ENOSPC from the staging
+      filesystem itself if the disk fills: the one place where a passthrough writer does not
+      wait as a daemon-served writer does (docs/PASSTHROUGH.md, "Space").
     - Pages the kernel cached for a daemon-served open may be stale once the file was written
       in passthrough: the next daemon-served open of it drops them (keep_cache off).
 
@@ -289,9 +306,14 @@ class PassthroughFiles:
     reason: str = "passthrough = off"
     table: BackingTable = field(default_factory=lambda: BackingTable(None))
     counters: Counters = field(default_factory=Counters)
-    _handles: dict[int, tuple[int, int]] = field(default_factory=dict)   # fh -> (ino, id)
+    write_reserve: int = WRITE_HEADROOM
+    # fh -> (ino, backing id, writable)
+    _handles: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
     _seen: dict[int, tuple[int, int]] = field(default_factory=dict)      # ino -> size, mtime
     _written: set[int] = field(default_factory=set)
+    _writers: dict[int, int] = field(default_factory=dict)    # ino -> writable pt opens
+    _reserved: dict[int, int] = field(default_factory=dict)   # ino -> budget held ahead
+    _short: set[int] = field(default_factory=set)             # inos warned of a full budget
 
     def negotiated(self, backend: Backend | None) -> None:
         """FUSE_INIT is answered: ``backend`` if the kernel agreed to passthrough."""
@@ -313,12 +335,17 @@ class PassthroughFiles:
         c = self.counters
         return {"active": self.active, "reason": self.table.gave_up or self.reason,
                 "opens": {"passthrough": c.passthrough_opens, "daemon": c.daemon_opens},
-                "requests": {"read": c.read_requests, "write": c.write_requests}}
+                "requests": {"read": c.read_requests, "write": c.write_requests},
+                "writers": sum(self._writers.values()),
+                "reserved_bytes": sum(self._reserved.values())}
 
     def opened(self, fh: int, ino: int, flags: int, direct_io: bool) -> dict[str, Any]:
         """The core opened ``fh`` on ``ino``: ``pyfuse3.FileInfo`` fields to answer with."""
         first = self.table.mode(ino) == "closed"
-        eligible = first and self.table.active and self._eligible(ino, flags)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        eligible = first and self.table.active and self._eligible(ino)
+        reserved = eligible and writable and self._reserve(ino)
+        eligible = eligible and (reserved or not writable)
         # The inode's shared staging descriptor (the core's handle holds it already): the
         # kernel keeps its own reference to the file it registers.
         fd = self.fs.staging.acquire(ino) if eligible else -1
@@ -329,10 +356,16 @@ class PassthroughFiles:
                 self.fs.staging.release(ino, fd)
         if backing and first:
             self._seen[ino] = self._stat(ino)
-        self._handles[fh] = (ino, backing)
+        self._handles[fh] = (ino, backing, writable and bool(backing))
         if backing:
             self.counters.passthrough_opens += 1
+            if writable:
+                self._writers[ino] = self._writers.get(ino, 0) + 1
+                if ino not in self._reserved:  # a writer joining a reader's passthrough
+                    self._top_up(ino)
             return file_info_fields(backing, direct_io)
+        if reserved:  # the kernel would not take the file after all
+            self.fs.space.give_back(self._reserved.pop(ino))
         self.counters.daemon_opens += 1
         fields = file_info_fields(0, direct_io)
         if ino in self._written:
@@ -340,15 +373,41 @@ class PassthroughFiles:
             fields["keep_cache"] = False
         return fields
 
-    def _eligible(self, ino: int, flags: int) -> bool:
-        if self.fs.getattr(ino).state is State.REMOTE:
+    def _eligible(self, ino: int) -> bool:
+        return self.fs.getattr(ino).state is not State.REMOTE
+
+    def _reserve(self, ino: int) -> bool:
+        """Hold ``write_reserve`` of the budget for a passthrough writer of ``ino``, evicting
+        committed copies if that is what it takes; False if it cannot be had."""
+        if not self._take(self.write_reserve):
             return False
-        if (flags & os.O_ACCMODE) != os.O_RDONLY:
-            space = self.fs.space
-            if not space.try_take(WRITE_HEADROOM):
-                return False
-            space.give_back(WRITE_HEADROOM)
+        self._reserved[ino] = self._reserved.get(ino, 0) + self.write_reserve
         return True
+
+    def _take(self, nbytes: int) -> bool:
+        """``nbytes`` of the budget, evicting committed copies (oldest first) until they fit;
+        False once nothing is left to evict."""
+        while not self.fs.space.try_take(nbytes):
+            if not self.fs.evict_for_space(nbytes):
+                return False
+        return True
+
+    def _top_up(self, ino: int) -> None:
+        """Bring a passthrough writer's reserve back to ``write_reserve``, or say once that
+        it writes past the budget (it meets ENOSPC only if the disk itself fills)."""
+        need = self.write_reserve - self._reserved.get(ino, 0)
+        if need <= 0:
+            return
+        if not self._take(need):
+            if ino not in self._short:
+                self._short.add(ino)
+                log.warning("staging budget full while inode %d is written in passthrough, "
+                            "no committed copy left to evict: its writes are not held back "
+                            "and get ENOSPC if the disk fills", ino)
+                self.fs.listener.hurry()  # failed uploads retried now: room to evict later
+            return
+        self._short.discard(ino)
+        self._reserved[ino] = self._reserved.get(ino, 0) + need
 
     def refresh(self, ino: int) -> None:
         """Size and mtime of an inode open in passthrough, from its staging file."""
@@ -362,10 +421,7 @@ class PassthroughFiles:
         row = self.fs.getattr(ino)
         growth = size - row.size
         if growth > 0:
-            if not self.fs.space.try_take(growth):
-                # Already on disk: count it anyway (the budget is over; daemon-served writers
-                # evict and wait, and new writable opens are daemon-served until it recovers).
-                self.fs.space.give_back(-growth)
+            self._charge(ino, growth)
             self.fs.bytes_written += growth
         self.fs.ns.note_write(row, size)  # marks the row dirty; then the staging file's values
         row.size = size
@@ -377,6 +433,27 @@ class PassthroughFiles:
             row.closed_at = None
             self.fs.ns.persist(row)
             self.fs.listener.cancel(ino)
+        if self._writers.get(ino) and self._reserved.get(ino, 0) < self.write_reserve // 2:
+            self._top_up(ino)
+
+    def _charge(self, ino: int, growth: int) -> None:
+        """``growth`` bytes more of ``ino`` are on disk: from its reserve, then the budget."""
+        held = self._reserved.get(ino, 0)
+        used = min(held, growth)
+        if ino in self._reserved:
+            self._reserved[ino] = held - used
+        rest = growth - used
+        if rest and not self.fs.space.try_take(rest):
+            # Already on disk: counted anyway (the budget is over; daemon-served writers evict
+            # and wait, and new writable opens are daemon-served until it recovers).
+            self.fs.space.give_back(-rest)
+
+    async def watch(self, interval: float = WATCH_INTERVAL) -> None:
+        """Follow passthrough writers between their requests (runs for the mount's life)."""
+        while True:
+            await trio.sleep(interval)
+            for ino in list(self._writers):
+                self.refresh(ino)
 
     def observe(self, ino: int) -> None:
         """The core changed the staging file itself (a truncate): not a passthrough write."""
@@ -391,8 +468,17 @@ class PassthroughFiles:
         entry = self._handles.pop(fh, None)
         if entry is None:
             return
-        ino, backing = entry
+        ino, backing, writer = entry
         self.table.release(ino, backing)
+        if writer:
+            left = self._writers[ino] - 1
+            if left:
+                self._writers[ino] = left
+            else:
+                # The adapter refreshed before this release: what is left was never written.
+                del self._writers[ino]
+                self.fs.space.give_back(self._reserved.pop(ino, 0))
+                self._short.discard(ino)
         if self.table.mode(ino) == "closed":
             self._seen.pop(ino, None)
 

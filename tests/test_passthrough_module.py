@@ -8,8 +8,11 @@ import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
 from ckptfs.errors import UserError
 from ckptfs.fs import ROOT_CALLER, Filesystem
@@ -177,18 +180,21 @@ def test_negotiation_failure_is_a_reason(core: Filesystem) -> None:
 async def test_passthrough_write_reaches_the_row_and_the_budget(core: Filesystem) -> None:
     pt = _files(core)
     fh, row = core.create(ROOT_INODE, b"f", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    before = core.space.used
     fields = pt.opened(fh, row.ino, os.O_WRONLY, core.direct_io(fh))
     # write_direct_io does not apply to a passthrough open; keep_cache must be off.
     assert fields == {"backing_id": 1, "keep_cache": False, "direct_io": False}
-    used = core.space.used
+    assert core.space.used == before + WRITE_HEADROOM   # held ahead of the writes
     core.staging.path(row.ino).write_bytes(b"x" * 5000)  # the kernel's write, not ours
     pt.refresh(row.ino)
-    assert core.getattr(row.ino).size == 5000 and core.space.used == used + 5000
+    assert core.getattr(row.ino).size == 5000
+    assert pt.status()["reserved_bytes"] == WRITE_HEADROOM - 5000   # charged to the reserve
     assert core.getattr(row.ino).mtime_ns == os.stat(core.staging.path(row.ino)).st_mtime_ns
     core.flush(fh)
     core.release(fh)
     pt.released(fh)
     assert core.journal.get(row.ino).size == 5000  # persisted by the core's release
+    assert core.space.used == before + 5000        # the reserve's rest given back
     assert pt.table.mode(row.ino) == "closed"
     # A daemon-served open of it later must not trust pages cached before those writes.
     pt.table = BackingTable(None)
@@ -198,20 +204,136 @@ async def test_passthrough_write_reaches_the_row_and_the_budget(core: Filesystem
     pt.released(fh)
 
 
-def test_remote_files_and_writers_short_of_space_are_daemon_served(core: Filesystem) -> None:
+MiB = 1 << 20
+
+
+def _committed(fs: Filesystem, name: bytes, size: int) -> int:
+    """A file as the uploader leaves it: committed, with its hot copy (evictable)."""
+    fh, row = fs.create(ROOT_INODE, name, 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    fs.staging.path(row.ino).write_bytes(b"c" * size)
+    fs.space.try_take(size)
+    fs.release(fh)
+    row = fs.getattr(row.ino)
+    row.size, row.state, row.remote_key = size, State.COMMITTED, name.decode()
+    fs.ns.persist(row)
+    return row.ino
+
+
+def _open(fs: Filesystem, pt: PassthroughFiles, name: bytes,
+          flags: int = os.O_WRONLY) -> tuple[int, int, dict[str, Any]]:
+    fh, row = fs.create(ROOT_INODE, name, 0o644, flags | os.O_CREAT, ROOT_CALLER)
+    return fh, row.ino, pt.opened(fh, row.ino, flags, fs.direct_io(fh))
+
+
+def _close(fs: Filesystem, pt: PassthroughFiles, fh: int) -> None:
+    ino = pt.handle_ino(fh)
+    if ino is not None:
+        pt.refresh(ino)   # what the adapter does before FLUSH and RELEASE
+    fs.flush(fh)
+    fs.release(fh)
+    pt.released(fh)
+
+
+async def test_remote_files_and_writers_short_of_space_are_daemon_served(
+        core: Filesystem) -> None:
     pt = _files(core)
+    pt.write_reserve = 4 * MiB
     fh, row = core.create(ROOT_INODE, b"r", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
     core.release(fh)
     row = core.getattr(row.ino)
     row.state = State.REMOTE  # known from the store, fetched on demand
-    assert pt._eligible(row.ino, os.O_RDONLY) is False
+    assert "backing_id" not in pt.opened(999, row.ino, os.O_RDONLY, False)
+    pt.released(999)
     row.state = State.COMMITTED
-    assert pt._eligible(row.ino, os.O_RDONLY) is True
-    core.space.max_bytes = core.space.used + WRITE_HEADROOM - 1
-    assert pt._eligible(row.ino, os.O_WRONLY) is False   # the daemon stalls it if need be
-    assert pt._eligible(row.ino, os.O_RDONLY) is True
+    core.space.max_bytes = core.space.used + pt.write_reserve - 1   # nothing to evict either
+    fh = await core.open(row.ino, os.O_RDONLY)
+    assert "backing_id" in pt.opened(fh, row.ino, os.O_RDONLY, False)  # readers need no room
+    core.release(fh)
+    pt.released(fh)
+    used = core.space.used
+    fh, _, fields = _open(core, pt, b"w")
+    assert "backing_id" not in fields       # the daemon stalls it if need be
+    assert core.space.used == used and pt.status()["reserved_bytes"] == 0
+    _close(core, pt, fh)
     core.space.max_bytes = None
-    assert pt._eligible(row.ino, os.O_RDWR) is True
+    fh, _, fields = _open(core, pt, b"w2", os.O_RDWR)
+    assert "backing_id" in fields
+    _close(core, pt, fh)
+
+
+def test_passthrough_writers_hold_a_reserve_and_give_back_what_they_did_not_write(
+        core: Filesystem) -> None:
+    pt = _files(core)
+    pt.write_reserve = 4 * MiB
+    used = core.space.used
+    a, ino_a, fa = _open(core, pt, b"a")
+    b, _, fb = _open(core, pt, b"b")
+    assert fa["backing_id"] and fb["backing_id"]
+    assert core.space.used == used + 8 * MiB   # two writers, two reserves: not one shared
+    core.staging.path(ino_a).write_bytes(b"x" * 3 * MiB)   # the kernel's writes
+    pt.refresh(ino_a)
+    # From a's reserve; 1 MiB left is under half of it, so it was topped up again.
+    assert core.space.used == used + 3 * MiB + 8 * MiB
+    assert pt.status()["reserved_bytes"] == 8 * MiB
+    _close(core, pt, a)
+    assert core.space.used == used + 3 * MiB + 4 * MiB   # a's data, b's reserve
+    _close(core, pt, b)
+    assert core.space.used == used + 3 * MiB
+    assert pt.status()["reserved_bytes"] == 0 and pt.status()["writers"] == 0
+
+
+def test_a_writer_past_its_reserve_makes_room_by_evicting_committed_copies(
+        core: Filesystem) -> None:
+    pt = _files(core)
+    pt.write_reserve = 2 * MiB
+    base = core.space.used
+    old = [_committed(core, f"old{i}".encode(), 2 * MiB) for i in range(3)]
+    core.space.max_bytes = core.space.used + 2 * MiB   # room for the reserve, no more
+    fh, ino, fields = _open(core, pt, b"big")
+    assert fields["backing_id"]
+    core.staging.path(ino).write_bytes(b"y" * 5 * MiB)  # past the reserve, unseen
+    pt.refresh(ino)
+    evicted = [i for i in old if core.getattr(i).state is State.REMOTE]
+    assert evicted and all(not core.staging.exists(i) for i in evicted)
+    assert pt.status()["reserved_bytes"] == 2 * MiB      # topped up again
+    assert core.space.used <= core.space.max_bytes
+    _close(core, pt, fh)
+    assert core.journal.get(ino).size == 5 * MiB
+    assert core.space.used == base + 5 * MiB + 2 * MiB * (3 - len(evicted))
+
+
+def test_a_writer_past_a_full_budget_is_charged_and_said_once(
+        core: Filesystem, caplog: pytest.LogCaptureFixture) -> None:
+    pt = _files(core)
+    pt.write_reserve = 2 * MiB
+    core.space.max_bytes = core.space.used + 2 * MiB   # nothing committed to evict
+    fh, ino, fields = _open(core, pt, b"big")
+    assert fields["backing_id"]
+    used = core.space.used
+    for size in (3 * MiB, 4 * MiB):
+        core.staging.path(ino).write_bytes(b"z" * size)
+        pt.refresh(ino)
+    assert core.space.used == used - 2 * MiB + 4 * MiB   # the bytes on disk, over budget
+    assert len([r for r in caplog.records if "staging budget full" in r.message]) == 1
+    _close(core, pt, fh)
+    assert core.space.used == used - 2 * MiB + 4 * MiB
+
+
+async def test_watch_follows_a_writer_that_sends_no_requests(
+        core: Filesystem, autojump_clock: trio.testing.MockClock) -> None:
+    pt = _files(core)
+    pt.write_reserve = 2 * MiB
+    victim = _committed(core, b"old", 3 * MiB)
+    core.space.max_bytes = core.space.used + 2 * MiB
+    fh, ino, _ = _open(core, pt, b"big")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pt.watch)
+        core.staging.path(ino).write_bytes(b"w" * 3 * MiB)   # no getattr, no flush
+        await trio.sleep(1)
+        assert core.getattr(ino).size == 3 * MiB            # the watcher saw it
+        assert core.getattr(victim).state is State.REMOTE   # and made room ahead of it
+        nursery.cancel_scope.cancel()
+    _close(core, pt, fh)
 
 
 def test_a_write_after_the_last_close_reopens_the_file(core: Filesystem) -> None:

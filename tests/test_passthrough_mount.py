@@ -178,3 +178,33 @@ def test_without_the_build_auto_falls_back_and_on_refuses(mounter: Mounter, tmp_
     finally:
         if is_mounted(mnt):
             ckptfs("umount", mnt, check=False)
+
+
+def test_a_passthrough_writer_makes_room_as_it_writes(passthrough_ready: None,
+                                                      mounter: Mounter) -> None:
+    """The daemon sees no WRITE of a passthrough writer, yet follows its size and evicts
+    committed copies ahead of it, before the writer sends any request (docs/PASSTHROUGH.md,
+    "Space")."""
+    m = mounter("pt", extra=["-o", "passthrough=on", "-o", f"staging_max_bytes={48 * MiB}",
+                             "-o", f"passthrough_write_reserve={8 * MiB}"])
+    old = [f"old{i}" for i in range(4)]
+    for i, name in enumerate(old):
+        (m.path / name).write_bytes(_pattern(8 * MiB, seed=10 + i))
+    sync(m)
+    assert [m.state(n) for n in old] == ["committed"] * 4
+    data = _pattern(40 * MiB, seed=20)
+    before = _pt(m)
+    with open(m.path / "big", "wb", buffering=0) as f:
+        f.writelines(data[at:at + 8 * MiB] for at in range(0, len(data), 8 * MiB))
+        # No request about "big" since its open: only the daemon's watch can know.
+        wait_for("committed copies evicted ahead of the writer",
+                 lambda: sum(m.state(n) == "remote" for n in old) >= 2)
+        staging = status(m)["staging"]
+        assert staging["used_bytes"] >= 40 * MiB, staging   # the writer's bytes are counted
+        assert staging["used_bytes"] <= 48 * MiB + 8 * MiB, staging
+    assert (m.path / "big").read_bytes() == data
+    after = _pt(m)
+    assert after["requests"]["write"] == before["requests"]["write"], after
+    assert after["reserved_bytes"] == 0 and after["writers"] == 0, after
+    for i, name in enumerate(old):   # evicted, not lost
+        assert (m.path / name).read_bytes() == _pattern(8 * MiB, seed=10 + i)
