@@ -3,7 +3,7 @@
 Configurations, all mounted at once, runs interleaved (rep r rotates the order):
 
   plain   a plain directory on the disk that holds the staging and cache dirs (no FUSE)
-  nullfs  benchmarks/nullfs.py: a pyfuse3 + trio filesystem that discards the data (the
+  nullfs  questions/nullfs.py: a pyfuse3 + trio filesystem that discards the data (the
           ceiling of a Python FUSE filesystem)
   ckptfs  ``ckptfs mount`` with an S3 warm tier on moto
   rclone  ``rclone mount --vfs-cache-mode writes`` of the same moto endpoint (another prefix of
@@ -11,7 +11,7 @@ Configurations, all mounted at once, runs interleaved (rep r rotates the order):
 
 Workloads: a sequential write of each of --q2-sizes MiB in 1 MiB write() calls, and torch.save
 of a --q2-torch-mib MiB transformer-like state dict. Blocked time = open + writes + close() (the
-same method as write_path.py, whose functions this reuses). After each run the file is deleted
+method of the former write_path.py, whose functions are now in common.py). After each run the file is deleted
 at once (neither ckptfs nor rclone then uploads it), the FUSE daemons are let go idle and
 sync(2) is called, so that no run pays for the previous one.
 """
@@ -30,10 +30,15 @@ from questions.common import (
     ckptfs_config,
     ckptfs_mount,
     log,
+    make_state_dict,
     nullfs_mount,
     rclone_binary,
     rclone_mount,
+    seq_write,
+    state_dict_bytes,
     sync_disk,
+    torch_save,
+    wait_daemon_idle,
 )
 
 TITLE = "Q2 write path (blocked time of one writer)"
@@ -42,14 +47,10 @@ CONFIGS = ("plain", "nullfs", "ckptfs", "rclone")
 
 def _idle(pid: int | None) -> None:
     if pid:
-        from write_path import wait_daemon_idle
-
         wait_daemon_idle(pid, max_wait=20.0)
 
 
 def run(b: Bench) -> dict[str, Any]:
-    from write_path import make_state_dict, seq_write, state_dict_bytes, torch_save
-
     o = b.opts
     workloads = [(f"seq {s} MiB", s) for s in o.q2_sizes] + [("torch.save", o.q2_torch_mib)]
     sd = make_state_dict(o.q2_torch_mib * MiB)
