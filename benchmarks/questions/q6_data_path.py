@@ -22,8 +22,8 @@ and, in each place, through
 The ckptfs mounts' warm tier (a directory in the same place) is held down
 (``faults.down_file``) while the data path is measured, and each read-back waits until the
 upload of the files just written was tried twice (each try reads the files for its checksums,
-which on a 2-core machine would compete with the read being timed): this is what training
-blocks on, not the upload (Q3). Each cell is the best of ``--q6-repeat`` rounds; a round runs
+which on a 2-core machine would compete with the read being timed; ``--q6-no-settle`` reads at
+once): this is what training blocks on, not the upload (Q3). Each cell is the best of ``--q6-repeat`` rounds; a round runs
 every mode in turn (the order rotates), files deleted in between. Ratios are time / plain time.
 
 Also, in the first place only:
@@ -215,7 +215,8 @@ def run_place(b: Bench, place: str, root: Path, mib: int, block: bytes,
         raise RuntimeError(f"{root}: {free / 2**30:.1f} GiB free, this place needs "
                            f"{need * 1.2 / 2**30:.1f} GiB (lower --q6-mib)")
     base = Path(tempfile.mkdtemp(prefix="q6-", dir=root))
-    out: dict[str, Any] = {"root": str(root), "mib_per_rank": mib, "unavailable": {},
+    out: dict[str, Any] = {"root": str(root), "base": str(base), "mib_per_rank": mib,
+                           "unavailable": {},
                            "seconds": {}, "requests": {}}
     try:
         with ExitStack() as stack:
@@ -246,7 +247,8 @@ def run_place(b: Bench, place: str, root: Path, mib: int, block: bytes,
                     where.pop(mode, None)
             active = [m for m in modes if m in where]
             for ranks in o.q6_ranks:
-                settle = {m: settler(where[m], ranks) for m in active if m in CKPTFS_MODES}
+                settle = {m: settler(where[m], ranks) for m in active
+                          if m in CKPTFS_MODES and not o.q6_no_settle}
                 best = {m: {"write": float("inf"), "read": float("inf")} for m in active}
                 for rep in range(o.q6_repeat):
                     order = active[rep % len(active):] + active[:rep % len(active)]
@@ -343,7 +345,8 @@ def fault_in(b: Bench, root: Path, pt_missing: str) -> dict[str, Any]:
                     best[mode] = t
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return {"files": ranks, "bytes": ranks * size, "seconds": best, "status": fetched,
+    return {"base": str(base), "files": ranks, "bytes": ranks * size, "seconds": best,
+            "status": fetched,
             "unavailable": pt_missing}
 
 
@@ -367,6 +370,7 @@ def run(b: Bench) -> dict[str, Any]:
             places[place] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             errors.append(f"{place}: {places[place]['error']}")
     return {"title": TITLE, "places": places, "ranks": o.q6_ranks, "repeat": o.q6_repeat,
+            "settle": not o.q6_no_settle,
             "block": BLOCK, "passthrough_missing": pt_missing, "errors": errors,
             "summary": summarize(places, o)}
 
