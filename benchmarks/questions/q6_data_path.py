@@ -24,7 +24,7 @@ The ckptfs mounts' warm tier (a directory in the same place) is held down
 upload of the files just written was tried twice (each try reads the files for its checksums,
 which on a 2-core machine would compete with the read being timed; ``--q6-no-settle`` reads at
 once): this is what training blocks on, not the upload (Q3). Each cell is the best of ``--q6-repeat`` rounds; a round runs
-every mode in turn (the order rotates), files deleted in between. Ratios are time / plain time.
+every mode in turn (the order rotates), files deleted and sync(2) called (untimed) in between. Ratios are time / plain time.
 
 Also, in the first place only:
 
@@ -253,6 +253,9 @@ def run_place(b: Bench, place: str, root: Path, mib: int, block: bytes,
                 for rep in range(o.q6_repeat):
                     order = active[rep % len(active):] + active[:rep % len(active)]
                     for mode in order:
+                        # No dirty pages of the previous round (the disk place's writeback
+                        # would otherwise slow whichever mode comes next): untimed.
+                        sync_disk()
                         t = write_read(where[mode], ranks, size, block, settle.get(mode))
                         log(f"Q6 {place} {ranks} ranks x {mib} MiB, round {rep}, {mode:>11}: "
                             f"write {t['write']:.3f} s, read {t['read']:.3f} s")
