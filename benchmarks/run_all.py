@@ -25,7 +25,7 @@ writes to --out (default benchmarks/results/):
      dir and the FUSE read ceiling (nullfs)                       (questions/q7_restore.py)
 
 Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode (tiny sizes,
-under a minute) that CI runs so that the scripts do not rot; its numbers mean little.
+about two minutes on 2 cores) that CI runs so that the scripts do not rot; its numbers mean little.
 
 Usage::
 
@@ -76,7 +76,7 @@ def str_list(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, < 1 min")
+    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, ~2 min")
     p.add_argument("--only", default=",".join(QUESTIONS), help="questions to run, e.g. q1,q3")
     p.add_argument("--out", type=Path, default=HERE / "results",
                    help="where run_all[.quick].json/.png go")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -62,6 +63,7 @@ from questions.common import (
     ckptfs_mount,
     log,
     make_state_dict,
+    process_cpu,
     state_dict_bytes,
     sync_disk,
     torch_save,
@@ -177,15 +179,25 @@ def read_blocks(path: Path, size: int) -> None:
         raise RuntimeError(f"{path}: read {got} bytes, expected {size}")
 
 
+def _cpu(pid: int | None) -> float:
+    return sum(process_cpu(pid)) if pid else 0.0
+
+
 def write_read(where: Path, ranks: int, size: int, block: bytes,
-               settle: Callable[[], None] | None) -> dict[str, float]:
+               settle: Callable[[], None] | None, pid: int | None = None) -> dict[str, float]:
+    """Seconds to write, then to read back; the daemon's CPU seconds during each (pid)."""
     files = [where / f"rank{r}.bin" for r in range(ranks)]
     try:
+        c0 = _cpu(pid)
         write = ranks_at_once(ranks, lambda r: write_blocks(files[r], size, block))
+        c1 = _cpu(pid)
         if settle is not None:
             settle()
-        return {"write": write, "read": ranks_at_once(ranks, lambda r: read_blocks(files[r],
-                                                                                   size))}
+        c2 = _cpu(pid)
+        read = ranks_at_once(ranks, lambda r: read_blocks(files[r], size))
+        c3 = _cpu(pid)
+        return {"write": write, "read": read, "daemon_cpu_write": c1 - c0,
+                "daemon_cpu_read": c3 - c2}
     finally:
         for f in files:
             f.unlink(missing_ok=True)
@@ -239,13 +251,17 @@ def run_place(b: Bench, place: str, root: Path, mib: int, block: bytes,
                         src = base / f"demo-{mode}-src"
                         src.mkdir()
                         where[mode] = base / f"demo-{mode}-mnt"
-                        stack.enter_context(_demo().demo_mount(src, where[mode], mode))
+                        proc = stack.enter_context(_demo().demo_mount(src, where[mode],
+                                                                      mode))
+                        pids[mode] = proc.pid
                 except Exception as exc:  # noqa: BLE001 (the cell says why, the rest runs)
                     reason = str(exc).strip().splitlines()
                     out["unavailable"][mode] = (reason[-1] if reason else repr(exc))[:200]
                     log(f"Q6 {place}: {mode} unavailable: {out['unavailable'][mode]}")
                     where.pop(mode, None)
             active = [m for m in modes if m in where]
+            rounds: list[dict[str, Any]] = []
+            out["rounds"] = rounds
             for ranks in o.q6_ranks:
                 settle = {m: settler(where[m], ranks) for m in active
                           if m in CKPTFS_MODES and not o.q6_no_settle}
@@ -256,11 +272,15 @@ def run_place(b: Bench, place: str, root: Path, mib: int, block: bytes,
                         # No dirty pages of the previous round (the disk place's writeback
                         # would otherwise slow whichever mode comes next): untimed.
                         sync_disk()
-                        t = write_read(where[mode], ranks, size, block, settle.get(mode))
+                        t = write_read(where[mode], ranks, size, block, settle.get(mode),
+                                       pids.get(mode))
                         log(f"Q6 {place} {ranks} ranks x {mib} MiB, round {rep}, {mode:>11}: "
-                            f"write {t['write']:.3f} s, read {t['read']:.3f} s")
-                        for op, s in t.items():
-                            best[mode][op] = min(best[mode][op], s)
+                            f"write {t['write']:.3f} s, read {t['read']:.3f} s"
+                            + (f" (daemon CPU {t['daemon_cpu_write']:.2f} / "
+                               f"{t['daemon_cpu_read']:.2f} s)" if mode in pids else ""))
+                        for op in ("write", "read"):
+                            best[mode][op] = min(best[mode][op], t[op])
+                        rounds.append({"ranks": ranks, "round": rep, "mode": mode, **t})
                 out["seconds"][str(ranks)] = best
             for mode in active[1:]:
                 out["requests"][mode] = _requests(mode, where[mode])
@@ -411,6 +431,17 @@ def summarize(places: dict[str, Any], o: Any) -> list[tuple[str, str, str]]:
                           and "ckptfs-pt" in others else "")
                 label = f"{place}, {ranks} ranks, {what}: time / plain, "
                 rows.append((label + "; ".join(others), ratios, target))
+        for ranks in p["seconds"]:
+            cpu = {}
+            for m in ("ckptfs", "ckptfs-pt", *DEMO_MODES):
+                rs = [r for r in p.get("rounds", []) if r["mode"] == m and r["ranks"] == int(ranks)]
+                if rs:
+                    cpu[m] = (statistics.median(r["daemon_cpu_write"] for r in rs),
+                              statistics.median(r["daemon_cpu_read"] for r in rs))
+            if cpu:
+                label = f"{place}, {ranks} ranks: daemon CPU s during write / read back (median), "
+                rows.append((label + "; ".join(cpu),
+                             "; ".join(f"{w:.2f} / {r:.2f}" for w, r in cpu.values()), ""))
         reqs = p["requests"].get("ckptfs-pt", {}).get("requests")
         if reqs is not None:
             rows.append((f"{place}: READ / WRITE requests that reached the ckptfs-pt daemon",
