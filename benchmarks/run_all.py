@@ -14,14 +14,18 @@ writes to --out (default benchmarks/results/):
      two-stage vs ckptfs                                          (questions/q1_training.py)
   Q2 write path: plain dir vs nullfs vs ckptfs vs rclone --vfs-cache-mode writes
                                                                  (questions/q2_write_path.py)
-  Q3 upload vs raw boto3 upload_file, restore through a fresh mount vs boto3 download_file
-                                                                  (questions/q3_transfer.py)
+  Q3 upload vs raw boto3 upload_file, restore through a fresh mount vs boto3 download_file,
+     torch.save while an upload runs                              (questions/q3_transfer.py)
   Q4 DCP: 4-process save, 2-process load, ckptfs vs plain dir      (questions/q4_dcp.py)
   Q5 scale: checkpoint size and files per checkpoint vs blocked time, upload time and daemon
      peak RSS                                                      (questions/q5_scale.py)
+  Q6 node data path: R ranks write then read back, tmpfs and the local disk, plain vs ckptfs
+     with FUSE passthrough vs without; torch.save; the fault-in read  (questions/q6_data_path.py)
+  Q7 restore on a fresh node vs boto3 download_file / copyfile, and the second read vs a plain
+     dir and the FUSE read ceiling (nullfs)                       (questions/q7_restore.py)
 
 Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode (tiny sizes,
-under a minute) that CI runs so that the scripts do not rot; its numbers mean little.
+about two minutes on 2 cores) that CI runs so that the scripts do not rot; its numbers mean little.
 
 Usage::
 
@@ -46,10 +50,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # questions.*, write_path, upload
+sys.path.insert(0, str(HERE))  # questions.*
 
-from questions.common import Bench, error_cell, log, machine
-from write_path import machine_busy_s
+from questions.common import Bench, error_cell, log, machine, machine_busy_s
 
 QUESTIONS = {
     "q1": "questions.q1_training",
@@ -57,6 +60,8 @@ QUESTIONS = {
     "q3": "questions.q3_transfer",
     "q4": "questions.q4_dcp",
     "q5": "questions.q5_scale",
+    "q6": "questions.q6_data_path",
+    "q7": "questions.q7_restore",
 }
 
 
@@ -64,10 +69,14 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, < 1 min")
+    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, ~2 min")
     p.add_argument("--only", default=",".join(QUESTIONS), help="questions to run, e.g. q1,q3")
     p.add_argument("--out", type=Path, default=HERE / "results",
                    help="where run_all[.quick].json/.png go")
@@ -97,8 +106,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q2-sizes", type=int_list, help="Q2 file sizes [64,256,1024]")
     g.add_argument("--q2-torch-mib", type=int, help="Q2 torch.save size [1024]")
     g.add_argument("--q2-reps", type=int, help="Q2 repetitions, interleaved [3]")
+    g.add_argument("--q2-chunks-kib", type=int_list,
+                   help="Q2 write() call sizes of the sequential writes, KiB [1024]")
+    p.add_argument("--q2-variants", type=str_list, default=[],
+                   help="Q2: nullfs variants to add, e.g. nullfs-pwrite,nullfs-dio (see "
+                        "questions/q2_write_path.py)")
     g.add_argument("--q3-mib", type=int, help="Q3 upload / restore total size [2048]")
     g.add_argument("--q3-files", type=int, help="Q3 files [8]")
+    g.add_argument("--q3-torch-mib", type=int,
+                   help="Q3 torch.save size, uploader idle vs uploading --q3-mib [1024]")
+    g.add_argument("--q3-reps", type=int, help="Q3 torch.save rounds [2]")
     g.add_argument("--q4-mib", type=int, help="Q4 DCP checkpoint size [1024]")
     g.add_argument("--q4-ranks", type=int_list, help="Q4 ranks that save, ranks that load [4,2]")
     g.add_argument("--q5-sizes", type=int_list,
@@ -107,18 +124,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q5-files-mib", type=int, help="Q5 checkpoint size of the files sweep [1024]")
     g.add_argument("--q5-store", choices=("file", "s3"),
                    help="Q5 warm tier: a directory, or S3 on moto (files > 1 GiB skipped) [file]")
+    g.add_argument("--q6-places", type=str_list, help="Q6 places: tmpfs (/dev/shm), disk "
+                   "(the work dir or --q6-disk-dir) [tmpfs,disk]")
+    g.add_argument("--q6-ranks", type=int_list, help="Q6 ranks writing at once [1,4]")
+    g.add_argument("--q6-mib", type=int, help="Q6 MiB per rank on tmpfs [1024]")
+    g.add_argument("--q6-disk-mib", type=int, help="Q6 MiB per rank on the disk [256]")
+    g.add_argument("--q6-torch-mib", type=int, help="Q6 torch.save state dict, one writer [1024]")
+    g.add_argument("--q6-fault-mib", type=int, help="Q6 fault-in checkpoint, in all [1024]")
+    g.add_argument("--q6-repeat", type=int, help="Q6 rounds, best of [3]")
+    p.add_argument("--q6-disk-dir", type=Path, help="Q6: the local disk's place [the work dir]")
+    p.add_argument("--q6-no-settle", action="store_true",
+                   help="Q6: read back at once, while the upload's checksum pass may still read "
+                        "the files (by default the read waits for two upload tries)")
+    p.add_argument("--q6-demo", action="store_true",
+                   help="Q6: also the demo filesystem (tests/passthrough_fs.py) in stock and in "
+                        "passthrough mode: what FUSE allows with no ckptfs logic")
+    g.add_argument("--q7-mib", type=int, help="Q7 checkpoint size, in all [2048]")
+    g.add_argument("--q7-files", type=int, help="Q7 files in the checkpoint [4]")
+    g.add_argument("--q7-reps", type=int, help="Q7 second-read rounds, median [3]")
+    p.add_argument("--q7-store", choices=("s3", "file", "both"), default="both",
+                   help="Q7 warm tier: S3 on moto, a directory, or both")
+    p.add_argument("--q7-ckptfs-config", default="",
+                   help="Q7: extra top-level config lines for every ckptfs mount, e.g. "
+                        "'fetch_block_size = 16777216'")
+    p.add_argument("--q7-no-drop-caches", action="store_true",
+                   help="Q7: never drop the page cache (machine-wide; --quick never drops it)")
     a = p.parse_args(argv)
-    full = {"q1_mib": 1024, "ckpts": 3, "every": 5, "step_s": 2.5, "q2_sizes": [64, 256, 1024],
-            "q2_torch_mib": 1024, "q2_reps": 3, "q3_mib": 2048, "q3_files": 8, "q4_mib": 1024,
-            "q4_ranks": [4, 2], "q5_sizes": [256, 1024, 2048, 4096, 8192],
-            "q5_files": [1, 4, 16, 32], "q5_files_mib": 1024, "q5_store": "file"}
-    quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.2, "q2_sizes": [8, 32],
-             "q2_torch_mib": 16, "q2_reps": 1, "q3_mib": 32, "q3_files": 4, "q4_mib": 8,
-             "q4_ranks": [2, 1], "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16,
-             "q5_store": "s3"}
+    full = {"q1_mib": 1024, "ckpts": 3, "every": 5, "step_s": 2.5,
+            "q2_sizes": [64, 256, 1024], "q2_torch_mib": 1024, "q2_reps": 3,
+            "q2_chunks_kib": [1024],
+            "q3_mib": 2048, "q3_files": 8, "q3_torch_mib": 1024, "q3_reps": 2,
+            "q4_mib": 1024, "q4_ranks": [4, 2],
+            "q5_sizes": [256, 1024, 2048, 4096, 8192], "q5_files": [1, 4, 16, 32],
+            "q5_files_mib": 1024, "q5_store": "file",
+            "q6_places": ["tmpfs", "disk"], "q6_ranks": [1, 4], "q6_mib": 1024,
+            "q6_disk_mib": 256, "q6_torch_mib": 1024, "q6_fault_mib": 1024, "q6_repeat": 3,
+            "q7_mib": 2048, "q7_files": 4, "q7_reps": 3}
+    quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.2,
+             "q2_sizes": [8, 32], "q2_torch_mib": 16, "q2_reps": 1, "q2_chunks_kib": [1024],
+             "q3_mib": 32, "q3_files": 4, "q3_torch_mib": 16, "q3_reps": 1,
+             "q4_mib": 8, "q4_ranks": [2, 1],
+             "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16, "q5_store": "s3",
+             "q6_places": ["tmpfs", "disk"], "q6_ranks": [2], "q6_mib": 16, "q6_disk_mib": 16,
+             "q6_torch_mib": 16, "q6_fault_mib": 16, "q6_repeat": 1,
+             "q7_mib": 64, "q7_files": 4, "q7_reps": 1}
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
+    if a.q7_files < 1 or a.q7_mib < a.q7_files:
+        p.error("--q7-mib must be at least --q7-files (whole MiB per file)")
+    bad = [x for x in a.q6_places if x not in ("tmpfs", "disk")]
+    if bad:
+        p.error(f"--q6-places: unknown {bad}; choose from tmpfs, disk")
     a.only = [q.strip() for q in a.only.split(",") if q.strip()]
     unknown = [q for q in a.only if q not in QUESTIONS]
     if unknown:

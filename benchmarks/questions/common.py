@@ -306,12 +306,12 @@ class NullfsMount:
 
 @contextmanager
 def nullfs_mount(base: Path, name: str, *args: str) -> Iterator[NullfsMount]:
-    """benchmarks/nullfs.py in the foreground as a child; args: its options."""
+    """benchmarks/questions/nullfs.py in the foreground as a child; args: its options."""
     mnt = base / f"{name}-mnt"
     mnt.mkdir(parents=True, exist_ok=True)
     log_path = base / f"{name}.log"
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, str(BENCH / "nullfs.py"), str(mnt), *args],
+        proc = subprocess.Popen([sys.executable, str(HERE / "nullfs.py"), str(mnt), *args],
                                 stdin=subprocess.DEVNULL, stdout=logf,
                                 stderr=subprocess.STDOUT)
     try:
@@ -455,3 +455,92 @@ def sync_disk() -> float:
     t0 = time.perf_counter()
     os.sync()
     return time.perf_counter() - t0
+
+
+# -- CPU gauges and the write workloads (from the former benchmarks/write_path.py) ------------
+
+
+def process_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def machine_busy_s() -> float:
+    """CPU seconds spent busy by the whole machine (all CPUs, /proc/stat), steal included."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice are inside user]
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def wait_daemon_idle(pid: int, max_wait: float = 30.0, window: float = 0.2) -> float:
+    """Wait until a daemon uses (almost) no CPU: no leftover work of the previous run."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_wait:
+        c0 = sum(process_cpu(pid))
+        time.sleep(window)
+        if sum(process_cpu(pid)) - c0 <= 0.02 * window + 0.011:  # below one clock tick
+            break
+    return time.monotonic() - t0
+
+
+def make_state_dict(target_bytes: int) -> dict[str, Any]:
+    """A transformer-like state dict (hidden 1024, fp32): big matrices and small vectors."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    h = 1024
+
+    def t(*shape: int) -> Any:
+        return torch.randn(*shape, generator=gen)
+
+    layer_bytes = 4 * (4 * h * h + 2 * 4 * h * h)  # q,k,v,o + fc1,fc2 (vectors ignored)
+    n_layers = max(1, target_bytes // layer_bytes)
+    vocab = max(1, (target_bytes - n_layers * layer_bytes) // (4 * h))
+    sd: dict[str, Any] = {"embed.weight": t(vocab, h)}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        for name in ("q", "k", "v", "o"):
+            sd[p + f"attn.{name}.weight"] = t(h, h)
+        sd[p + "attn.o.bias"] = t(h)
+        sd[p + "ln1.weight"], sd[p + "ln1.bias"] = t(h), t(h)
+        sd[p + "mlp.fc1.weight"], sd[p + "mlp.fc1.bias"] = t(4 * h, h), t(4 * h)
+        sd[p + "mlp.fc2.weight"], sd[p + "mlp.fc2.bias"] = t(h, 4 * h), t(h)
+        sd[p + "ln2.weight"], sd[p + "ln2.bias"] = t(h), t(h)
+    sd["final_ln.weight"] = t(h)
+    return sd
+
+
+def state_dict_bytes(sd: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def seq_write(path: Path, total: int, chunk: int, buf: memoryview) -> tuple[float, float]:
+    """Sequential write in ``chunk``-byte calls: (open+write seconds, close seconds)."""
+    piece = buf[:chunk]
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = total
+        while left:
+            n = os.write(fd, piece[: min(chunk, left)])
+            left -= n
+    except BaseException:
+        os.close(fd)
+        raise
+    t1 = time.perf_counter()
+    os.close(fd)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def torch_save(path: Path, sd: dict[str, Any]) -> tuple[float, float]:
+    """``torch.save`` to a path: (seconds, 0.0): it opens, writes and closes in one call."""
+    import torch
+
+    t0 = time.perf_counter()
+    torch.save(sd, path)
+    return time.perf_counter() - t0, 0.0

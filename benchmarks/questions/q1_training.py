@@ -3,7 +3,7 @@
 Three ways to get the checkpoints onto one slow shared store (``--store-bw`` bytes/s, default
 100 MB/s), and the floor of every two-stage design, measured in one run:
 
-  direct     torch.save straight to the slow store (a FUSE filesystem, benchmarks/nullfs.py
+  direct     torch.save straight to the slow store (a FUSE filesystem, questions/nullfs.py
              with a backing directory, that accepts at most --store-bw bytes/s of writes)
   local      torch.save to a local directory and nothing else: what saving to the node's own
              disk costs on this machine (no way that writes locally first can block less)
@@ -16,7 +16,7 @@ Three ways to get the checkpoints onto one slow shared store (``--store-bw`` byt
 The loop: ``--ckpts`` checkpoints, one every ``--every`` steps; a step is ``--step-s`` seconds
 (a few small matmuls, then the host thread waits, as it does while a GPU computes) and changes
 one tensor of the state dict (so every checkpoint is new data). The state dict is
-transformer-like (write_path.make_state_dict), ``--q1-mib`` MiB. The defaults (1 GiB every
+transformer-like (common.make_state_dict), ``--q1-mib`` MiB. The defaults (1 GiB every
 5 x 2.5 s) give the store time to take one checkpoint before the next (10.7 s at 100 MB/s),
 as a sane training config would; with a shorter interval every background copy backs up.
 
@@ -56,7 +56,10 @@ from questions.common import (
     ckptfs_mount,
     error_cell,
     log,
+    machine_busy_s,
+    make_state_dict,
     slow_store,
+    state_dict_bytes,
     sync_disk,
     tree_bytes,
 )
@@ -173,8 +176,6 @@ def store_root(work: Path, nbytes: int) -> Path:
 
 
 def run(b: Bench) -> dict[str, Any]:
-    from write_path import machine_busy_s, make_state_dict, state_dict_bytes
-
     o = b.opts
     bw = o.store_bw
     sd = make_state_dict(o.q1_mib * MiB)

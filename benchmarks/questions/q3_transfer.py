@@ -1,6 +1,6 @@
 """Q3, upload and restore throughput vs raw boto3, against one S3 endpoint (moto on loopback).
 
-Upload (the method of benchmarks/upload.py, whose raw boto3 side this reuses): --q3-files files,
+Upload (the method of the former benchmarks/upload.py, folded in here): --q3-files files,
 --q3-mib MiB in all.
   boto3   ``upload_file``, one thread per file, 4 files at once, 16 MiB parts x 4 per file
           (ckptfs's defaults: upload_concurrency 4, part_size 16 MiB, part_concurrency 4)
@@ -13,11 +13,18 @@ Restore of the checkpoint just uploaded:
           in 1 MiB read() calls; the clock runs from the mount to the last byte read.
 This measures whatever the read path does today (whole-file fault-in or range fetches): it
 gets faster as the read path improves, with no change here.
+
+torch.save under upload load (also from upload.py): on one mount over the same bucket,
+``torch.save`` of a --q3-torch-mib MiB state dict (8 fp32 tensors) with the uploader idle
+(after ``ckptfs sync``) vs 0.5 s after a --q3-mib MiB file was closed (its upload in flight),
+--q3-reps rounds, medians; target busy / idle <= 1.2.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,6 +67,63 @@ def ckptfs_upload(b: Bench, files: list[Path], bucket: str) -> tuple[float, int]
     return elapsed, rss
 
 
+def make_files(directory: Path, count: int, size: int) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(MiB)
+    files = []
+    for i in range(count):
+        path = directory / f"shard_{i:02d}.distcp"
+        with open(path, "wb") as f:
+            f.writelines(block for _ in range(size // MiB))
+        files.append(path)
+    return files
+
+
+def raw_boto3(b: Bench, files: list[Path], bucket: str) -> float:
+    """boto3 ``upload_file`` of every file, FILE_CONC at once, ckptfs's part settings."""
+    from boto3.s3.transfer import TransferConfig
+
+    s3 = b.moto.client()
+    config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART,
+                            max_concurrency=PART_CONC)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(FILE_CONC) as pool:
+        list(pool.map(lambda p: s3.upload_file(str(p), bucket, f"raw/{p.name}", Config=config),
+                      files))
+    return time.perf_counter() - start
+
+
+def torch_under_upload(b: Bench, bucket: str) -> dict[str, Any]:
+    """torch.save blocked time with the uploader idle vs with a big upload in flight."""
+    import torch
+
+    o = b.opts
+    state = {f"w{i}": torch.randn(o.q3_torch_mib * MiB // 4 // 8) for i in range(8)}
+    block = os.urandom(MiB)
+    idle: list[float] = []
+    busy: list[float] = []
+    cfg = ckptfs_config(b.work / "q3-torch-staging", moto=b.moto, bucket=bucket,
+                        prefix="torch")
+    with ckptfs_mount(b.work, "q3-torch", cfg) as m:
+        for rep in range(o.q3_reps):
+            m.sync()
+            t0 = time.perf_counter()
+            torch.save(state, m.path / f"idle_{rep}.pt")
+            idle.append(time.perf_counter() - t0)
+            m.sync()
+            with open(m.path / f"big_{rep}.bin", "wb") as f:
+                f.writelines(block for _ in range(o.q3_mib))
+            time.sleep(0.5)  # the upload of big_N is in flight now
+            t0 = time.perf_counter()
+            torch.save(state, m.path / f"busy_{rep}.pt")
+            busy.append(time.perf_counter() - t0)
+            log(f"Q3 torch.save {o.q3_torch_mib} MiB, round {rep}: idle {idle[-1]:.2f} s, "
+                f"uploading {busy[-1]:.2f} s")
+        m.sync()
+    return {"idle_s": idle, "busy_s": busy, "state_mib": o.q3_torch_mib,
+            "busy_mib": o.q3_mib}
+
+
 def boto3_download(b: Bench, bucket: str, names: list[str]) -> float:
     from boto3.s3.transfer import TransferConfig
 
@@ -94,8 +158,6 @@ def ckptfs_restore(b: Bench, bucket: str,
 
 
 def run(b: Bench) -> dict[str, Any]:
-    from upload import make_files, raw_boto3
-
     o = b.opts
     total = o.q3_mib * MiB
     files = make_files(b.work / "q3-src", o.q3_files, total // o.q3_files)
@@ -104,7 +166,7 @@ def run(b: Bench) -> dict[str, Any]:
     bucket = b.moto.new_bucket("q3")
     log(f"Q3: upload {size / MiB:.0f} MiB in {len(files)} files: raw boto3")
     sync_disk()
-    raw_up = raw_boto3(files, b.moto.endpoint, bucket, PART, PART_CONC, FILE_CONC)
+    raw_up = raw_boto3(b, files, bucket)
     b.moto.empty_bucket(bucket)
     log(f"Q3: raw boto3 {raw_up:.2f} s; ckptfs upload")
     ck_up, up_rss = ckptfs_upload(b, files, bucket)
@@ -116,6 +178,9 @@ def run(b: Bench) -> dict[str, Any]:
     sync_disk()
     ck_down, got, down_rss, why = ckptfs_restore(b, bucket, names)
     log(f"Q3: ckptfs restore: {why or f'{ck_down:.2f} s ({got} bytes read)'}")
+    b.moto.empty_bucket(bucket)
+    log("Q3: torch.save with the uploader idle vs uploading")
+    under = torch_under_upload(b, bucket)
     b.moto.empty_bucket(bucket)
 
     def mbs(t: float) -> float:
@@ -136,13 +201,19 @@ def run(b: Bench) -> dict[str, Any]:
         ]
     summary.append(("daemon peak RSS MB: upload / restore",
                     f"{up_rss / 1e6:.0f} / {down_rss / 1e6:.0f}", ""))
+    idle_s, busy_s = statistics.median(under["idle_s"]), statistics.median(under["busy_s"])
+    summary += [
+        (f"torch.save {under['state_mib']} MiB s: uploader idle / "
+         + f"{under['busy_mib']} MiB uploading", f"{idle_s:.2f} / {busy_s:.2f}", ""),
+        ("torch.save blocked, uploading / idle", f"**{busy_s / idle_s:.2f}**", "≤ 1.2"),
+    ]
     if ck_down is not None and got != size:
         summary.append(("restore: bytes read != bytes stored", f"{got} != {size}", "!"))
     return {"title": TITLE, "bytes": size, "files": len(files), "part_size": PART,
             "part_concurrency": PART_CONC, "file_concurrency": FILE_CONC,
             "upload_s": {"boto3": raw_up, "ckptfs": ck_up},
             "restore_s": {"boto3": raw_down, "ckptfs": ck_down}, "restore_bytes_read": got,
-            "restore_error": why,
+            "restore_error": why, "torch_under_upload": under,
             "daemon_peak_rss": {"upload": up_rss, "restore": down_rss}, "summary": summary}
 
 

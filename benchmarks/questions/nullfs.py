@@ -36,8 +36,10 @@ Variants, to take the FUSE write path apart (all off by default):
                        whole mount): with --backing-dir, a slow shared filesystem for the
                        "write straight to shared storage" baselines of run_all.py
 
-Usage: ``python benchmarks/nullfs.py MOUNTPOINT`` serves in the foreground until unmounted
-(``fusermount3 -u MOUNTPOINT``) or sent SIGTERM/SIGINT.
+Usage: ``python benchmarks/questions/nullfs.py MOUNTPOINT`` serves in the foreground until
+unmounted (``fusermount3 -u MOUNTPOINT``) or sent SIGTERM/SIGINT. run_all.py's questions start
+it as a child through ``questions.common.nullfs_mount`` (Q1's slow store, Q2's FUSE ceiling and
+its variants, Q7's read ceilings).
 """
 
 from __future__ import annotations

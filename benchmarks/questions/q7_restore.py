@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
-"""restore.py: reading a checkpoint back through ckptfs (issue #4, "Performance").
+"""Q7, reading a checkpoint back through ckptfs (issue #4, "Performance"; the former
+benchmarks/restore.py, folded into run_all.py).
 
-Two questions, for each warm tier (``--store s3|file|both``):
+Two measurements, for each warm tier (``--q7-store s3|file|both``):
 
-1. **Restore on a fresh node.** A checkpoint of ``--size-mib`` (2048) MiB in ``--files`` (4)
+1. **Restore on a fresh node.** A checkpoint of ``--q7-mib`` (2048) MiB in ``--q7-files`` (4)
    files is written through a ckptfs mount and synced to the store; that mount and its staging
    dir are then removed. Measured, page cache dropped before each side:
      baseline  S3: boto3 ``download_file`` of every object into a local dir (4 files at once,
@@ -20,7 +20,7 @@ Two questions, for each warm tier (``--store s3|file|both``):
 
 2. **Second read, now local.** The same files read again through the same mount (every block
    fetched: state ``committed``) vs the same bytes in a plain local directory (the baseline's),
-   side by side with two do-nothing FUSE filesystems (``nullfs.py``, same mount options and
+   side by side with two do-nothing FUSE filesystems (``questions/nullfs.py``, same mount options and
    worker settings as ckptfs), the ceiling of a Python FUSE read path:
      nullfs        reads answer zeros (no I/O at all: FUSE round trips only)
      nullfs-pread  reads answer ``os.pread`` of a backing file (the files were written
@@ -35,36 +35,29 @@ Two questions, for each warm tier (``--store s3|file|both``):
              nullfs answers zeros, so it has no cold case)
    cached: each timed read right after an untimed one of the same files (the kernel drops a
    FUSE file's pages when it refreshes its attributes, after the 10 s attribute timeout);
-   daemon: every configuration once untimed first. ``--reps`` (3) rounds, interleaved,
-   median. Ratio: ckptfs / nullfs throughput (daemon case), target >= 0.9; the
-   write-path ceiling (nullfs / plain, ``results/write_path.json``) is printed beside it.
+   daemon: every configuration once untimed first. ``--q7-reps`` (3) rounds, interleaved,
+   median. Ratio: ckptfs / nullfs throughput (daemon case), target >= 0.9.
 
 Readers: one thread per file, at most 4 at once, ``read()`` calls of 1 MiB into one buffer
 (the data is discarded). The page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``,
 needs root; machine-wide) where a phase must start cold: before each restore side and before
-each cold read. Without root the drop is skipped and the output says so.
+each cold read. Without root, with ``--q7-no-drop-caches`` or in ``--quick`` (CI shares the
+machine) the drop is skipped and the table says so.
 
 Every mount is unmounted in a ``finally`` (ckptfs with ``umount``, then ``fusermount3 -u -z``);
-moto and nullfs are stopped by their own pids; SIGTERM behaves like Ctrl-C. Nothing is
-asserted: the script prints a markdown table and writes every raw number to ``--out``
-(``benchmarks/results/restore.json``; ``--quick``: ``restore.quick.json``).
+nullfs is stopped by its own pid. Nothing is asserted. The fresh mount gets
+``--q7-ckptfs-config`` as extra top-level config lines (e.g. 'fetch_block_size = 16777216').
 
-    python benchmarks/restore.py --quick                 # 64 MiB in 4 files, both stores, < 1 min
-    python benchmarks/restore.py                         # 2 GiB in 4 files, both stores
-    python benchmarks/restore.py --files 1 --store file  # one 2 GiB file
-    python benchmarks/restore.py --ckptfs-config 'fetch_block_size = 16777216'
+    python benchmarks/run_all.py --only q7                                # 2 GiB in 4 files
+    python benchmarks/run_all.py --only q7 --q7-files 1 --q7-store file   # one 2 GiB file
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -72,24 +65,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # questions.common, write_path
-
 from questions.common import (
+    Bench,
     CkptfsMount,
     MiB,
     Moto,
     ckptfs,
     ckptfs_config,
     ckptfs_mount,
-    error_cell,
     log,
-    machine,
-    moto_server,
     nullfs_mount,
     write_file,
 )
-from write_path import machine_busy_s
+
+TITLE = "Q7 restore on a fresh node, and the second read, vs baselines and the FUSE ceiling"
 
 PART, PART_CONC, FILE_CONC = 16 * MiB, 4, 4  # boto3 side, as Q3 (ckptfs's upload defaults)
 READ_CALL = MiB
@@ -247,12 +236,12 @@ def populate(store: Store, names: list[str], size: int, block: bytes, extra: str
 # -- one store ------------------------------------------------------------------------------
 
 
-def run_store(store: Store, names: list[str], size: int, block: bytes, args: argparse.Namespace,
+def run_store(store: Store, names: list[str], size: int, block: bytes, extra: str, reps: int,
               nulls: dict[str, Any]) -> dict[str, Any]:
     kind = store.kind
     total = size * len(names)
     log(f"{kind}: writing {len(names)} x {size / MiB:.0f} MiB through ckptfs and syncing it")
-    populate_s = populate(store, names, size, block, args.ckptfs_config)
+    populate_s = populate(store, names, size, block, extra)
     log(f"{kind}: populated in {populate_s:.1f} s")
 
     # 1. restore on a fresh node: baseline
@@ -276,7 +265,7 @@ def run_store(store: Store, names: list[str], size: int, block: bytes, args: arg
                               "baseline": {"how": what, "fetch_s": fetch_s,
                                            "read": asdict(base_read), "total_s": base_s}}
     t0 = time.perf_counter()
-    with ckptfs_mount(store.work, f"{kind}-reader", store.config(staging, args.ckptfs_config)) as m:
+    with ckptfs_mount(store.work, f"{kind}-reader", store.config(staging, extra)) as m:
         mount_s = time.perf_counter() - t0
         paths = [m.path / n for n in names]
         fresh = read_all(paths, m.pid)
@@ -289,7 +278,7 @@ def run_store(store: Store, names: list[str], size: int, block: bytes, args: arg
         result["ckptfs_fresh"] = {"mount_s": mount_s, "read": asdict(fresh),
                                   "fetch": status.get("fetch"), "states_after": states,
                                   "daemon_peak_rss": rss}
-        result["second_read"] = second_read(m, paths, local, names, args, nulls)
+        result["second_read"] = second_read(m, paths, local, names, reps, nulls)
     shutil.rmtree(local, ignore_errors=True)
     shutil.rmtree(staging, ignore_errors=True)
     return result
@@ -307,7 +296,7 @@ def evict_fuse_cache(paths: list[Path]) -> None:
 
 
 def second_read(m: CkptfsMount, paths: list[Path], local: Path, names: list[str],
-                args: argparse.Namespace, nulls: dict[str, Any]) -> dict[str, Any]:
+                reps: int, nulls: dict[str, Any]) -> dict[str, Any]:
     """The same bytes again: ckptfs (now local) vs a plain dir vs the nullfs ceilings.
 
     The kernel keeps a FUSE file's page cache across opens here (a second ``open`` + read of
@@ -334,7 +323,7 @@ def second_read(m: CkptfsMount, paths: list[Path], local: Path, names: list[str]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         case: {name: [] for name in configs} for case in ("cached", "daemon")}
     leaked = {"nullfs": 0, "nullfs-pread": 0}  # READs that reached nullfs in timed cached reads
-    for rep in range(args.reps):
+    for rep in range(reps):
         for name in order[rep % len(order):] + order[:rep % len(order)]:
             files, pid = configs[name]
             # The kernel drops a FUSE file's pages when it refreshes its attributes (after the
@@ -347,7 +336,7 @@ def second_read(m: CkptfsMount, paths: list[Path], local: Path, names: list[str]
     for name, (files, pid) in configs.items():
         read_all(files, pid)  # untimed: the daemons' files and the plain dir in the page cache
     reads1b = {k: _nullfs_reads(nulls[k].path) for k in ("nullfs", "nullfs-pread")}
-    for rep in range(args.reps):
+    for rep in range(reps):
         for name in order[rep % len(order):] + order[:rep % len(order)]:
             files, pid = configs[name]
             if name != "plain":
@@ -366,7 +355,7 @@ def second_read(m: CkptfsMount, paths: list[Path], local: Path, names: list[str]
                 # read was answered by the kernel) and the timed daemon reads
                 "cached": leaked,
                 "daemon": {k: reads2[k] - reads1b[k] for k in leaked},
-                "daemon_mean_bytes": {k: (total * args.reps / (reads2[k] - reads1b[k])
+                "daemon_mean_bytes": {k: (total * reps / (reads2[k] - reads1b[k])
                                           if reads2[k] > reads1b[k] else None) for k in leaked}}}
 
 
@@ -394,7 +383,7 @@ def setup_nullfs(stack: ExitStack, work: Path, names: list[str], size: int,
 # -- the table ------------------------------------------------------------------------------
 
 
-def summarize(r: dict[str, Any], write_ceiling: float | None) -> list[tuple[str, str, str]]:
+def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     total: int = r["bytes"]
     store = "S3 (moto)" if r["store"] == "s3" else "file"
 
@@ -435,9 +424,7 @@ def summarize(r: dict[str, Any], write_ceiling: float | None) -> list[tuple[str,
             (f"second read, {label}, MB/s: plain / nullfs / nullfs-pread / ckptfs",
              " / ".join(f"{mbs(med[n]):.0f}" for n in names), ""),
             (f"second read, {case}: ckptfs / plain; FUSE read ceiling nullfs / plain",
-             f"{med['plain'] / med['ckptfs']:.2f}; {med['plain'] / med['nullfs']:.2f}"
-             + (f" (write ceiling, write_path.json: {write_ceiling:.2f})"
-                if write_ceiling and case == "daemon" else ""), ""),
+             f"{med['plain'] / med['ckptfs']:.2f}; {med['plain'] / med['nullfs']:.2f}", ""),
             (f"second read, {case}: ckptfs / nullfs (of the ceiling); ckptfs / nullfs-pread",
              f"**{med['nullfs'] / med['ckptfs']:.2f}**; {med['nullfs-pread'] / med['ckptfs']:.2f}",
              "≥ 0.9"),
@@ -456,143 +443,75 @@ def summarize(r: dict[str, Any], write_ceiling: float | None) -> list[tuple[str,
          + f"; ckptfs / plain {s['cold']['plain']['seconds'] / s['cold']['ckptfs']['seconds']:.2f}",
          ""),
     ]
-    return [(f"{store} | {m}", v, t) for m, v, t in rows]
+    return [(f"{store}: {m}", v, t) for m, v, t in rows]
 
 
 def _median_cpu(runs: list[dict[str, Any]]) -> float:
     return statistics.median(r["daemon_cpu_s"] or 0.0 for r in runs)
 
 
-def write_ceiling_ratio() -> float | None:
-    """nullfs / plain throughput, seq 1 MiB writes, from write_path.py's committed results."""
-    try:
-        summary = json.loads((HERE / "results" / "write_path.json").read_text())["summary"]
-        seq = summary["seq_1m"]
-        return float(seq["nullfs"]["mb_per_s"] / seq["plain"]["mb_per_s"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, help="checkpoint size, MiB in all [2048; quick 64]")
-    p.add_argument("--files", type=int, default=4, help="files in the checkpoint [4]")
-    p.add_argument("--store", choices=("s3", "file", "both"), default="both",
-                   help="warm tier: S3 on moto, a directory, or both [both]")
-    p.add_argument("--reps", type=int, help="warm second reads per configuration [3; quick 1]")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, < 1 min (smoke test)")
-    p.add_argument("--ckptfs-config", default="",
-                   help="extra top-level config lines for every ckptfs mount, e.g. "
-                        "'fetch_block_size = 16777216'")
-    p.add_argument("--out", type=Path, default=HERE / "results",
-                   help="directory for the JSON [benchmarks/results]")
-    p.add_argument("--stem", help="JSON file name without .json [restore; quick: restore.quick]")
-    p.add_argument("--workdir", type=Path, default=Path("/var/tmp"),
-                   help="where the temporary work dir goes (keep its path short) [/var/tmp]")
-    p.add_argument("--keep", action="store_true", help="keep the work dir")
-    p.add_argument("--no-drop-caches", action="store_true",
-                   help="never drop the page cache (it is machine-wide: CI, shared machines)")
-    a = p.parse_args(argv)
-    if a.size_mib is None:
-        a.size_mib = 64 if a.quick else 2048
-    if a.reps is None:
-        a.reps = 1 if a.quick else 3
-    if a.files < 1 or a.size_mib < a.files:
-        p.error("--size-mib must be at least --files (whole MiB per file)")
-    return a
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    DROPPED["skip"] = args.no_drop_caches
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ckptfs-restore-", dir=args.workdir))
-    stem = args.stem or ("restore.quick" if args.quick else "restore")
-    info = machine()
-    stores = ["s3", "file"] if args.store == "both" else [args.store]
-    size = args.size_mib * MiB // args.files
-    names = [f"shard_{i:02d}.distcp" for i in range(args.files)]
+def run(b: Bench) -> dict[str, Any]:
+    o = b.opts
+    DROPPED["skip"] = o.q7_no_drop_caches or b.quick
+    work = b.dir("q7")
+    stores = ["s3", "file"] if o.q7_store == "both" else [o.q7_store]
+    size = o.q7_mib * MiB // o.q7_files
+    names = [f"shard_{i:02d}.distcp" for i in range(o.q7_files)]
     block = os.urandom(MiB)
-    log(f"work dir {work}; {args.files} x {size / MiB:.0f} MiB; stores {', '.join(stores)}")
-
-    def _interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)
+    log(f"Q7: {o.q7_files} x {size / MiB:.0f} MiB; stores {', '.join(stores)}")
     results: dict[str, Any] = {}
-    t_all = time.perf_counter()
-    try:
-        with ExitStack() as stack:
-            nulls = setup_nullfs(stack, work, names, size, block)
-            for kind in stores:
-                t0, busy0, load0 = time.perf_counter(), machine_busy_s(), os.getloadavg()[0]
-                store = Store(kind, work)
-                try:
-                    if kind == "s3":
-                        log("starting moto (ThreadedMotoServer) on 127.0.0.1, own process")
-                        store.moto = stack.enter_context(moto_server())
-                        store.bucket = store.moto.new_bucket("restore")
-                    results[kind] = run_store(store, names, size, block, args, nulls)
-                except Exception:  # noqa: BLE001 (one failed store must not hide the other)
-                    import traceback
+    errors: list[str] = []
+    summary: list[tuple[str, str, str]] = []
+    with ExitStack() as stack:
+        nulls = setup_nullfs(stack, work, names, size, block)
+        for kind in stores:
+            store = Store(kind, work)
+            try:
+                if kind == "s3":
+                    store.moto = b.moto
+                    store.bucket = store.moto.new_bucket("restore")
+                results[kind] = run_store(store, names, size, block, o.q7_ckptfs_config,
+                                          o.q7_reps, nulls)
+                summary += summarize(results[kind])
+            except Exception:  # noqa: BLE001 (one failed store must not hide the other)
+                import traceback
 
-                    traceback.print_exc()
-                    results[kind] = {"error": traceback.format_exc()}
-                finally:
-                    if store.moto is not None and store.bucket:
-                        try:
-                            store.moto.empty_bucket(store.bucket)
-                        except Exception as exc:  # noqa: BLE001 (moto may be what failed)
-                            log(f"could not empty the bucket: {exc}")
-                    shutil.rmtree(store.store_dir, ignore_errors=True)
-                wall = time.perf_counter() - t0
-                results[kind].update(wall_s=wall,
-                                     machine_cpus_busy=round((machine_busy_s() - busy0) / wall, 2),
-                                     loadavg_1m=(round(load0, 2), round(os.getloadavg()[0], 2)))
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    info["loadavg_end"] = os.getloadavg()
-    info["wall_s"] = time.perf_counter() - t_all
-    info["page_cache_dropped"] = DROPPED["ok"]
-    ceiling = write_ceiling_ratio()
+                traceback.print_exc()
+                results[kind] = {"error": traceback.format_exc()}
+                errors.append(f"{kind}: {traceback.format_exc().strip().splitlines()[-1]}")
+                summary.append((f"{kind}: FAILED", errors[-1][:160].replace("|", "/"), ""))
+            finally:
+                if store.moto is not None and store.bucket:
+                    try:
+                        store.moto.empty_bucket(store.bucket)
+                    except Exception as exc:  # noqa: BLE001 (moto may be what failed)
+                        log(f"could not empty the bucket: {exc}")
+                shutil.rmtree(store.store_dir, ignore_errors=True)
+    dropped = bool(DROPPED["ok"])
+    summary.append(("page cache dropped before each restore side and cold read",
+                    "yes" if dropped else "NO: the restore and cold figures are not cold", ""))
+    return {"title": TITLE, "stores": results, "files": o.q7_files, "bytes": size * o.q7_files,
+            "reps": o.q7_reps, "page_cache_dropped": dropped, "errors": errors,
+            "summary": summary}
 
-    lines = [f"## restore ({'quick' if args.quick else 'full'}), {info['date']}: "
-             f"{args.files} x {size / MiB:.0f} MiB, {info['nproc']} CPUs, "
-             f"{info['mem_gib']} GiB RAM, ckptfs {info['git']}"
-             + (" (+ uncommitted changes)" if info["ckptfs_dirty"] else ""), "",
-             "| store | measurement | value | target |", "|---|---|---:|---|"]
-    for kind, r in results.items():
-        if "error" in r:
-            lines.append(f"| {kind} | FAILED | {error_cell(r['error'])} | |")
+
+def plot(ax: Any, r: dict[str, Any]) -> None:
+    labels, base, ck = [], [], []
+    for kind, s in r["stores"].items():
+        if "error" in s:
             continue
-        r["summary"] = summarize(r, ceiling)
-        lines += [f"| {m} | {v} | {t} |" for m, v, t in r["summary"]]
-        lines.append(f"| {kind} | (noise) machine CPUs busy, load avg at start / end | "
-                     f"{r['machine_cpus_busy']:.2f} of {info['nproc']}, "
-                     f"{r['loadavg_1m'][0]:.1f} / {r['loadavg_1m'][1]:.1f} | |")
-    notes = [
-        "",
-        "Ratios are throughput ckptfs / reference (> 1: ckptfs faster). S3 is moto on loopback:",
-        "moto copies the whole object for every range GET, so smaller ranges cost more there",
-        "(ckptfs fetches 8 MiB blocks, boto3 16 MiB parts); the file row has no such cost.",
-        "Page cache " + ("dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before each restore "
-                         "side and each cold read." if DROPPED["ok"] else
-                         "NOT dropped (--no-drop-caches or not root): the restore and cold "
-                         "figures are not cold."),
-    ]
-    table = "\n".join(lines + notes)
-    print("\n" + table + "\n", flush=True)
-    out = args.out / f"{stem}.json"
-    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    out.write_text(json.dumps({"machine": info, "options": opts, "table": table,
-                               "write_path_ceiling_nullfs_over_plain_seq1m": ceiling,
-                               "results": results}, indent=2, default=str))
-    log(f"wrote {out} in {info['wall_s']:.0f} s")
-    return 1 if any("error" in r for r in results.values()) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        total = s["bytes"]
+        labels.append(f"{kind}\nrestore")
+        base.append(total / s["baseline"]["total_s"] / 1e6)
+        ck.append(total / s["ckptfs_fresh"]["read"]["seconds"] / 1e6)
+        med = s["second_read"]["median_s"]["daemon"]
+        labels.append(f"{kind}\n2nd read (daemon)")
+        base.append(total / med["nullfs"] / 1e6)
+        ck.append(total / med["ckptfs"] / 1e6)
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], base, 0.4, label="baseline / nullfs ceiling")
+    ax.bar([x + 0.2 for x in xs], ck, 0.4, label="ckptfs")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("MB/s")
+    ax.set_title(f"Q7 restore and second read, {r['bytes'] / MiB:.0f} MiB", fontsize=9)
+    ax.legend(fontsize=7)
