@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio.testing
 
-from tests.mounting import Mounter, mounter_in
+from tests.mounting import PASSTHROUGH, Mounter, mounter_in
 from tests.s3bucket import Bucket
 from tests.s3server import S3Server, start_server
 
@@ -28,9 +28,43 @@ def autojump_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0.1)
 
 
+# The two data paths of a mount (docs/PASSTHROUGH.md, "Tests"): every byte through the
+# daemon, or FUSE passthrough (the kernel serves reads and writes from the staging file).
+# A test marked ``both_modes`` whose mounts come from ``mounter`` (or asks for ``io_mode``)
+# runs once in each; other tests mount as CKPTFS_TEST_PASSTHROUGH says (default: the config's
+# default, off).
+IO_MODES = {"daemon": "off", "passthrough": "on"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "both_modes: run the test's mounts with passthrough off and on (io_mode)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker("both_modes") \
+            and "io_mode" in metafunc.fixturenames:
+        metafunc.parametrize("io_mode", list(IO_MODES), indirect=True)
+
+
 @pytest.fixture
-def mounter(tmp_path: Path) -> Iterator[Mounter]:
-    with mounter_in(tmp_path) as m:
+def io_mode(request: pytest.FixtureRequest) -> str:
+    """The ``passthrough`` option this test's mounts get ("" leaves it to the config)."""
+    mode: str | None = getattr(request, "param", None)
+    if mode is None:
+        return PASSTHROUGH
+    if mode == "passthrough":
+        from tests.passthrough_fs import unavailable  # imports pyfuse3: only when needed
+
+        why = unavailable()
+        if why:
+            pytest.skip(why)
+    return IO_MODES[mode]
+
+
+@pytest.fixture
+def mounter(tmp_path: Path, io_mode: str) -> Iterator[Mounter]:
+    with mounter_in(tmp_path, io_mode) as m:
         yield m
 
 

@@ -21,8 +21,9 @@ from typing import Any
 from ckptfs.mountinfo import find
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
-# CKPTFS_TEST_PASSTHROUGH=on (or auto) runs every mount made here with that passthrough mode:
-# the mount suites in the other mode (docs/PASSTHROUGH.md).
+# CKPTFS_TEST_PASSTHROUGH=on (or auto, off) runs every mount made here with that passthrough
+# mode unless the test chose one (conftest.py ``io_mode``): the whole mount suite in the other
+# mode, by hand (docs/PASSTHROUGH.md, "Tests").
 PASSTHROUGH = os.environ.get("CKPTFS_TEST_PASSTHROUGH", "")
 
 
@@ -53,6 +54,7 @@ class Mount:
     extra: list[str] = field(default_factory=list)
     # A TOML config file (``-c``): its tiers are used as they are unless ``store`` is set.
     config: Path | None = None
+    passthrough: str = ""  # "-o passthrough=..." ahead of ``extra``; "": the config decides
 
     @property
     def pid(self) -> int:
@@ -83,8 +85,8 @@ class Mount:
 
     def remount(self) -> None:
         args: list[str | os.PathLike[str]] = ["mount", self.path, "--staging", self.staging]
-        if PASSTHROUGH:  # before the test's own options, which may name it again
-            args += ["-o", f"passthrough={PASSTHROUGH}"]
+        if self.passthrough:  # before the test's own options, which may name it again
+            args += ["-o", f"passthrough={self.passthrough}"]
         if self.config is not None:
             args += ["--config", self.config]
         if self.store is not None:
@@ -95,8 +97,9 @@ class Mount:
 class Mounter:
     """Creates mounts under a temp dir and tears every one of them down."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, passthrough: str = PASSTHROUGH) -> None:
         self.base = base
+        self.passthrough = passthrough
         self.mounts: list[Mount] = []
 
     def __call__(self, name: str = "m", *, staging: Path | None = None,
@@ -109,7 +112,7 @@ class Mounter:
         if store is None and config is None:
             store = self.base / "store"
         m = Mount(path, staging or self.base / name / "staging", store, list(extra or []),
-                  config)
+                  config, self.passthrough)
         m.remount()
         self.mounts.append(m)
         return m
@@ -135,9 +138,9 @@ def sync(m: Mount, timeout: float = 120) -> None:
 
 
 @contextlib.contextmanager
-def mounter_in(base: Path) -> Iterator[Mounter]:
+def mounter_in(base: Path, passthrough: str = PASSTHROUGH) -> Iterator[Mounter]:
     """A ``Mounter`` under ``base`` whose mounts are all torn down on exit."""
-    m = Mounter(base)
+    m = Mounter(base, passthrough)
     try:
         yield m
     finally:

@@ -24,9 +24,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
+import platform
 import stat
 import subprocess
 import sys
@@ -216,6 +218,25 @@ def build() -> subprocess.CompletedProcess[str]:
     """Run scripts/build_passthrough_fuse.sh (cached: well under a second when built)."""
     return subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
                           timeout=1200, check=False, stdin=subprocess.DEVNULL)
+
+
+@functools.cache
+def unavailable() -> str:
+    """Why ckptfs cannot use passthrough on this machine ("" if it can); builds it once.
+
+    A build that could not fetch its prerequisites is a reason (the caller skips); a build
+    that failed otherwise is an error, never a skip."""
+    done = build()
+    if done.returncode == BUILD_UNFETCHABLE:
+        return ("the passthrough build's prerequisites cannot be fetched: "
+                + done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 0, f"build_passthrough_fuse.sh failed:\n{done.stdout}\n{done.stderr}"
+    release = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+    if release < (6, 9):
+        return f"kernel {platform.release()} has no FUSE passthrough (6.9+)"
+    if os.geteuid() != 0:
+        return "registering backing files needs CAP_SYS_ADMIN (run as root)"
+    return ""
 
 
 def stats(mountpoint: Path) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import pytest
 from ckptfs.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, is_mounted, wait_dead, wait_for
 
-pytestmark = [pytest.mark.mount, pytest.mark.slow]
+pytestmark = [pytest.mark.mount, pytest.mark.slow, pytest.mark.both_modes]
 
 MiB = 1 << 20
 CHUNK = 64 * 1024

@@ -785,12 +785,14 @@ def _play(mount: Mount, tmp_path: Path, seed: int, steps: int, *,
         run.ref.close_all()
 
 
+@pytest.mark.both_modes
 @pytest.mark.parametrize("seed", _seeds((1, 2, 3)))
 def test_fsx_matches_plain_directory(mounter: Mounter, tmp_path: Path, umask: Any,
                                      seed: int) -> None:
     _play(mounter(), tmp_path, seed, _steps(1000))
 
 
+@pytest.mark.both_modes
 @pytest.mark.parametrize("seed", _seeds((101, 102)))
 def test_fsx_across_remount(mounter: Mounter, tmp_path: Path, umask: Any, seed: int) -> None:
     steps = _steps(1000) * 3 // 4

@@ -17,7 +17,7 @@ from ckptfs import control
 from ckptfs.errors import UserError
 from tests.mounting import Mounter, ckptfs, wait_for
 
-pytestmark = pytest.mark.mount
+pytestmark = [pytest.mark.mount, pytest.mark.both_modes]
 
 
 def test_write_remount_read(mounter: Mounter) -> None:

@@ -22,7 +22,7 @@ import pytest
 from tests.mounting import Mount, Mounter, ckptfs, status, sync
 from tests.s3bucket import Bucket, crc
 
-pytestmark = [pytest.mark.mount, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(600), pytest.mark.both_modes]
 
 MiB = 1024 * 1024
 SLOW = 200_000  # bytes per second of the slow node's store: its 4 MiB shard takes ~20 s

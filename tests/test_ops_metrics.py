@@ -4,6 +4,8 @@ documents, and its byte counters match what the test wrote and read.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import re
 import urllib.error
@@ -111,3 +113,27 @@ def test_metrics_port_in_use_fails_the_mount_with_one_line(
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and f"metrics_port {port}" in lines[0], done.stderr
     assert not os.path.ismount(mnt)
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp{,6})."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hexport = local.split(":")
+                if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_metrics_listen_on_loopback_unless_told_otherwise(
+        tmp_path: Path, mounter: Mounter) -> None:
+    """The endpoint has no authentication: by default no other host can reach it."""
+    _, port = metrics_mount(mounter, "a", tmp_path / "store")
+    assert _listening(port) == {"0100007F"}   # 127.0.0.1, and nothing else
+    port = free_port()
+    mounter("b", store=tmp_path / "store",
+            extra=["-o", f"metrics_port={port}", "-o", "metrics_address=0.0.0.0"])
+    assert _listening(port) == {"00000000"}

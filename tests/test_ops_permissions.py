@@ -19,14 +19,14 @@ import pytest
 
 from tests.mounting import Mounter, mounter_in
 
-pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(240), pytest.mark.both_modes]
 
 SETPRIV = shutil.which("setpriv")
 
 
 @pytest.fixture
-def world_mounter(open_base: Path) -> Iterator[Mounter]:
-    with mounter_in(open_base) as m:
+def world_mounter(open_base: Path, io_mode: str) -> Iterator[Mounter]:
+    with mounter_in(open_base, io_mode) as m:
         yield m
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.mounting import Mount, Mounter, ckptfs, is_mounted, status, sync, wait_for
-from tests.passthrough_fs import BUILD_UNFETCHABLE, build
+from tests.passthrough_fs import unavailable
 from tests.s3bucket import Bucket, crc
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
@@ -33,16 +32,9 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def passthrough_ready() -> None:
-    done = build()
-    if done.returncode == BUILD_UNFETCHABLE:
-        pytest.skip("the passthrough build's prerequisites cannot be fetched: "
-                    + done.stderr.strip().splitlines()[-1])
-    assert done.returncode == 0, f"build_passthrough_fuse.sh failed:\n{done.stdout}\n{done.stderr}"
-    release = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
-    if release < (6, 9):
-        pytest.skip(f"kernel {platform.release()} has no FUSE passthrough (6.9+)")
-    if os.geteuid() != 0:
-        pytest.skip("registering backing files needs CAP_SYS_ADMIN (run as root)")
+    why = unavailable()
+    if why:
+        pytest.skip(why)
 
 
 def _pt(m: Mount) -> dict[str, Any]:

@@ -34,7 +34,8 @@ import pytest
 from tests.mounting import Mounter, is_mounted, status, sync, tiers_config
 from tests.payload import Payload
 
-pytestmark = [pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.both_modes]
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +71,8 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    r = Rig(tmp_path, Mounter(tmp_path))
+def rig(tmp_path: Path, io_mode: str) -> Iterator[Rig]:
+    r = Rig(tmp_path, Mounter(tmp_path, io_mode))
     try:
         yield r
     finally:

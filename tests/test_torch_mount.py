@@ -235,6 +235,7 @@ def assert_same_state_dict(got: dict[str, Any], want: dict[str, Any]) -> None:
             == got["model.embed.weight"].untyped_storage().data_ptr())
 
 
+@pytest.mark.both_modes
 def test_torch_save_load_1gib(mounter: Mounter) -> None:
     m = mounter("save")
     sd = make_big_state_dict(seed=20240601)
@@ -284,6 +285,7 @@ def test_torch_save_load_1gib(mounter: Mounter) -> None:
 # 2. DCP: save with 4 ranks, load with 2 (resharding)
 
 
+@pytest.mark.both_modes
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_dcp_save4_load2(mounter: Mounter, tmp_path: Path) -> None:
     m = mounter("dcp")

@@ -308,6 +308,7 @@ def daemon_log(m: Mount) -> str:
 # 1. before: closed and queued, the store down, then SIGKILL
 
 
+@pytest.mark.both_modes
 def test_kill_before_upload(store: Store, mounter: Mounter, tmp_path: Path) -> None:
     down = tmp_path / "store-down"
     m = mounter("before", config=store.config(tmp_path / "c.toml", faults={"down_file": down}))
@@ -337,6 +338,7 @@ def test_kill_before_upload(store: Store, mounter: Mounter, tmp_path: Path) -> N
 BIG = 48 * MiB + 4321  # ten parts of 5 MiB
 
 
+@pytest.mark.both_modes
 def test_kill_during_multipart_upload(s3_store: S3Store, mounter: Mounter,
                                       tmp_path: Path) -> None:
     # The throttle (faults.bandwidth) delays each put by size/bandwidth before it starts;
