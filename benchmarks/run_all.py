@@ -23,6 +23,9 @@ writes to --out (default benchmarks/results/):
      with FUSE passthrough vs without; torch.save; the fault-in read  (questions/q6_data_path.py)
   Q7 restore on a fresh node vs boto3 download_file / copyfile, and the second read vs a plain
      dir and the FUSE read ceiling (nullfs)                       (questions/q7_restore.py)
+  Q8 responsiveness at scale: create/stat/unlink rates vs a plain dir, sync/status latency,
+     remount time and the longest answer to a probe at 1k/10k/100k files, during a 1 GiB
+     fsync; store requests per node in a simulated cluster    (questions/q8_responsiveness.py)
 
 Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode (tiny sizes,
 about two minutes on 2 cores) that CI runs so that the scripts do not rot; its numbers mean little.
@@ -62,6 +65,7 @@ QUESTIONS = {
     "q5": "questions.q5_scale",
     "q6": "questions.q6_data_path",
     "q7": "questions.q7_restore",
+    "q8": "questions.q8_responsiveness",
 }
 
 
@@ -149,6 +153,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "'fetch_block_size = 16777216'")
     p.add_argument("--q7-no-drop-caches", action="store_true",
                    help="Q7: never drop the page cache (machine-wide; --quick never drops it)")
+    g.add_argument("--q8-files", type=int_list,
+                   help="Q8 file counts the mount grows to (1 KiB files) [1000,10000,100000]")
+    g.add_argument("--q8-batch", type=int,
+                   help="Q8 files created, stat'ed and unlinked at each count [1000]")
+    g.add_argument("--q8-fsync-mib", type=int, help="Q8 file fsync'ed under the probe [1024]")
+    g.add_argument("--q8-sim-nodes", type=int_list,
+                   help="Q8 simulated cluster sizes, nodes [64,256,1000]")
+    g.add_argument("--q8-sim-idle", type=float,
+                   help="Q8 virtual seconds of idleness measured per cluster [600]")
+    p.add_argument("--q8-sim-timeout", type=float, default=900.0,
+                   help="Q8: wall seconds one simulated cluster may take; larger ones are "
+                        "skipped after one runs over")
+    p.add_argument("--q8-mount-timeout", type=float, default=1800.0,
+                   help="Q8: wall seconds a remount may take")
     a = p.parse_args(argv)
     full = {"q1_mib": 1024, "ckpts": 3, "every": 5, "step_s": 2.5,
             "q2_sizes": [64, 256, 1024], "q2_torch_mib": 1024, "q2_reps": 3,
@@ -159,7 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "q5_files_mib": 1024, "q5_store": "file",
             "q6_places": ["tmpfs", "disk"], "q6_ranks": [1, 4], "q6_mib": 1024,
             "q6_disk_mib": 256, "q6_torch_mib": 1024, "q6_fault_mib": 1024, "q6_repeat": 3,
-            "q7_mib": 2048, "q7_files": 4, "q7_reps": 3}
+            "q7_mib": 2048, "q7_files": 4, "q7_reps": 3,
+            "q8_files": [1000, 10000, 100000], "q8_batch": 1000, "q8_fsync_mib": 1024,
+            "q8_sim_nodes": [64, 256, 1000], "q8_sim_idle": 600.0}
     quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.2,
              "q2_sizes": [8, 32], "q2_torch_mib": 16, "q2_reps": 1, "q2_chunks_kib": [1024],
              "q3_mib": 32, "q3_files": 4, "q3_torch_mib": 16, "q3_reps": 1,
@@ -167,7 +187,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16, "q5_store": "s3",
              "q6_places": ["tmpfs", "disk"], "q6_ranks": [2], "q6_mib": 16, "q6_disk_mib": 16,
              "q6_torch_mib": 16, "q6_fault_mib": 16, "q6_repeat": 1,
-             "q7_mib": 64, "q7_files": 4, "q7_reps": 1}
+             "q7_mib": 64, "q7_files": 4, "q7_reps": 1,
+             "q8_files": [300], "q8_batch": 100, "q8_fsync_mib": 16, "q8_sim_nodes": [8],
+             "q8_sim_idle": 60.0}
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)

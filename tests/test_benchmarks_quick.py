@@ -1,6 +1,7 @@
 """The benchmarks must not rot: ``benchmarks/run_all.py --quick`` runs every question end to end
 (Q7, the restore, with both stores; Q6, the node data path, in both places, its passthrough cells
-measured when scripts/build_passthrough_fuse.sh was built and saying why not otherwise).
+measured when scripts/build_passthrough_fuse.sh was built and saying why not otherwise; Q8, the
+responsiveness at scale, at 300 files, a 16 MiB fsync and 8 simulated nodes, about 10 s).
 
 It checks that the runner produced its table, JSON and PNG and that no question failed, never
 the figures themselves (benchmarks print numbers, they do not assert them; on a shared CI
@@ -20,7 +21,7 @@ import pytest
 pytestmark = [pytest.mark.mount, pytest.mark.torch, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-QUESTIONS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7")
+QUESTIONS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8")
 
 
 def test_run_all_quick(tmp_path: Path) -> None:
@@ -52,6 +53,11 @@ def test_run_all_quick(tmp_path: Path) -> None:
         assert "ckptfs-pt" in place["seconds"]["2"] or "ckptfs-pt" in place["unavailable"]
     assert q6["places"]["tmpfs"]["fault_in"]["seconds"]
     assert set(data["results"]["q7"]["stores"]) == {"s3", "file"}
+    q8 = data["results"]["q8"]
+    assert [p["files"] for p in q8["ckptfs"]["points"]] == q8["files"]
+    assert "fsync_probe" in q8["ckptfs"]["fsync"]
+    assert q8["ckptfs"]["probe"]["answers"] > 0
+    assert [s["nodes"] for s in q8["sim"]["runs"]] == [8]
     assert data["machine"]["nproc"] >= 1
     png = (out / "run_all.quick.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
