@@ -1066,10 +1066,13 @@ class Filesystem:
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self._handle(fh)
         assert handle.fd is not None
-        self.staging.sync(handle.fd, datasync)
+        # Disk waits off the loop (a multi-GB fsync takes seconds; every other request of the
+        # node would wait that long). The handle's descriptor stays open meanwhile: the kernel
+        # sends no RELEASE for a file while an FSYNC of it is in flight.
+        await trio.to_thread.run_sync(self.staging.sync, handle.fd, datasync)
         if self.ns.is_dirty(handle.ino):
             self.ns.persist(self.ns.get(handle.ino))
-        self.journal.make_durable()
+        await self.journal.make_durable_async()
         if self.fsync_remote:
             # Everything closed so far reaches the warm tier (this file too once closed: a
             # file open for writing is never uploaded).
@@ -1087,8 +1090,8 @@ class Filesystem:
         self.staging.release(handle.ino, handle.fd)
         self.ns.unpin(handle.ino)
 
-    def fsyncdir(self) -> None:
-        self.journal.make_durable()
+    async def fsyncdir(self) -> None:
+        await self.journal.make_durable_async()
 
     # -- xattrs ---------------------------------------------------------------------------
 

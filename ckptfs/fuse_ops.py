@@ -261,7 +261,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        self.fs.fsyncdir()
+        await self.fs.fsyncdir()
 
     @_translate_errors
     async def statfs(self, ctx: Any) -> Any:

@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import trio
+
 from ckptfs.errors import JournalCorrupt
 
 ROOT_INODE = 1
@@ -227,6 +229,22 @@ class Journal:
         result nobody reads. The PASSIVE checkpoint stays, to keep the WAL short.
         """
         self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        self._sync_files()
+
+    async def make_durable_async(self) -> None:
+        """``make_durable`` for a FUSE request (fsync, fsyncdir): the disk waits happen in a
+        worker thread, so the loop keeps answering other requests meanwhile.
+
+        The thread never touches the SQLite connection (one writer, on the loop): it fsyncs
+        the WAL and the database through descriptors of its own. Every commit made before the
+        call is in the WAL file by then, so the WAL's fsync covers it; a checkpoint running
+        meanwhile (SQLite's automatic one, at a later commit on the loop) syncs the frames it
+        copies into the database itself before the WAL is reused. No PASSIVE checkpoint here:
+        it would wait on the disk on the loop, and the automatic one keeps the WAL short.
+        """
+        await trio.to_thread.run_sync(self._sync_files)
+
+    def _sync_files(self) -> None:
         for name in (f"{self.path}-wal", str(self.path)):
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
