@@ -17,8 +17,10 @@ be reached but not listed), and the server decides per connection from the peer'
 
 Invariants: the server only reads state and waits; it never changes the filesystem except
 through the same core calls the FUSE handlers use. Secrets never appear in a reply. No request,
-however malformed, and no peer, however slow, can stop the server: errors are answered, and a
-request line must arrive within ``REQUEST_TIMEOUT``.
+however malformed, and no peer, however slow or numerous, can stop the server: a peer that may
+not use the socket at all is refused at connect, before anything is read; a group member holds
+at most ``MEMBER_CONNECTIONS`` connections at once (root and the owner are not limited); errors
+are answered, and a request line must arrive within ``REQUEST_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ RUN_DIR_MODE = 0o711
 SOCKET_MODE = 0o666
 # Requests a member of the mount root's group may make: they only read state, or wait.
 READ_ONLY_OPS = frozenset({"status", "ls-tiers", "sync"})
-REQUEST_TIMEOUT = 10.0  # seconds to send the request line
+REQUEST_TIMEOUT = 2.0  # seconds to send the request line (the CLI sends it at connect)
+# Connections a group member's uid may hold at once (``sync`` waits, so they last): a local
+# user must not be able to take every descriptor of the daemon.
+MEMBER_CONNECTIONS = 8
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path, NUL excluded)
 
@@ -132,6 +137,7 @@ class ControlServer:
         self.started = time.time()
         # (monotonic time, bytes fetched so far), sampled every second, for the fetch rate.
         self._fetch_samples: deque[tuple[float, int]] = deque(maxlen=int(RATE_WINDOW) + 1)
+        self._connections: dict[int, int] = {}  # uid -> connections open
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -160,6 +166,20 @@ class ControlServer:
             except FileNotFoundError:
                 pass
 
+    def _outsider(self, peer: tuple[int, int, int]) -> str | None:
+        """Why the peer may not use the socket at all (neither root, the owner nor a member
+        of the mount root's group); None if it may make some request."""
+        pid, uid, gid = peer
+        owner = os.geteuid()
+        if uid in (0, owner):
+            return None
+        group = self.fs.getattr(ROOT_INODE).gid
+        if gid == group or group in _supplementary_groups(pid, uid):
+            return None
+        return (f"permission denied: uid {uid} may not use the control socket of "
+                f"{self.mountpoint}: only root, its owner (uid {owner}) and members of its "
+                f"group (gid {group}) may")
+
     def _refusal(self, peer: tuple[int, int, int], request: dict[str, Any]) -> str | None:
         """Why the peer ``(pid, uid, gid)`` may not make ``request``; None if it may."""
         pid, uid, gid = peer
@@ -185,44 +205,68 @@ class ControlServer:
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
             try:
-                line = ""
-                with trio.move_on_after(REQUEST_TIMEOUT):
-                    line = await _read_line(stream)
-                request = json.loads(line)
-                if not isinstance(request, dict):
-                    raise ValueError("a request is a JSON object")  # noqa: TRY004
-                refusal = self._refusal(_peer_credentials(stream), request)
-                if refusal is not None:
-                    log.warning("control socket: %s", refusal)
-                    await _send(stream, {"error": refusal})
-                    return
-                op = request.get("op")
-                if op == "status":
-                    await _send(stream, self.status())
-                elif op == "sync":
-                    await self._sync(stream, request.get("path"))
-                elif op == "evict":
-                    await _send(stream, await self._evict(str(request.get("path") or "")))
-                elif op in ("ls-tiers", "retention") and self.retention is not None:
-                    await _send(stream, await self._retention(bool(request.get("apply"))))
-                elif op == "nodes":
-                    await _send(stream, await self._nodes(request.get("forget")))
-                elif op == "restore":
-                    await self._restore(stream, str(request.get("path") or ""),
-                                        int(request.get("days") or 1),
-                                        bool(request.get("local")),
-                                        float(request.get("poll_interval") or 5.0))
-                else:
-                    await _send(stream, {"error": f"unknown request {op!r}"})
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            except (ValueError, TypeError) as exc:  # int([]) is a TypeError
+                peer = _peer_credentials(stream)
+            except OSError:
+                return  # gone already
+            uid = peer[1]
+            outsider = self._outsider(peer)
+            if outsider is None and uid not in (0, os.geteuid()) \
+                    and self._connections.get(uid, 0) >= MEMBER_CONNECTIONS:
+                outsider = (f"busy: uid {uid} has {MEMBER_CONNECTIONS} requests open on "
+                            f"{self.mountpoint} already")
+            if outsider is not None:
+                log.warning("control socket: %s", outsider)
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await _send(stream, {"error": f"bad request: {exc}"})
-            except Exception as exc:
-                log.exception("control socket: request failed")
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await _send(stream, {"error": f"request failed: {exc}"})
+                    await _send(stream, {"error": outsider})
+                return
+            self._connections[uid] = self._connections.get(uid, 0) + 1
+            try:
+                await self._answer(stream, peer)
+            finally:
+                self._connections[uid] -= 1
+                if not self._connections[uid]:
+                    del self._connections[uid]
+
+    async def _answer(self, stream: trio.SocketStream, peer: tuple[int, int, int]) -> None:
+        try:
+            line = ""
+            with trio.move_on_after(REQUEST_TIMEOUT):
+                line = await _read_line(stream)
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("a request is a JSON object")  # noqa: TRY004
+            refusal = self._refusal(peer, request)
+            if refusal is not None:
+                log.warning("control socket: %s", refusal)
+                await _send(stream, {"error": refusal})
+                return
+            op = request.get("op")
+            if op == "status":
+                await _send(stream, self.status())
+            elif op == "sync":
+                await self._sync(stream, request.get("path"))
+            elif op == "evict":
+                await _send(stream, await self._evict(str(request.get("path") or "")))
+            elif op in ("ls-tiers", "retention") and self.retention is not None:
+                await _send(stream, await self._retention(bool(request.get("apply"))))
+            elif op == "nodes":
+                await _send(stream, await self._nodes(request.get("forget")))
+            elif op == "restore":
+                await self._restore(stream, str(request.get("path") or ""),
+                                    int(request.get("days") or 1),
+                                    bool(request.get("local")),
+                                    float(request.get("poll_interval") or 5.0))
+            else:
+                await _send(stream, {"error": f"unknown request {op!r}"})
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except (ValueError, TypeError) as exc:  # int([]) is a TypeError
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await _send(stream, {"error": f"bad request: {exc}"})
+        except Exception as exc:
+            log.exception("control socket: request failed")
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await _send(stream, {"error": f"request failed: {exc}"})
 
     async def _nodes(self, forget: object) -> dict[str, Any]:
         """The nodes registered in the store (``ckptfs nodes``), after forgetting one."""
@@ -499,7 +543,10 @@ def request(socket_path: Path, payload: dict[str, Any], timeout: float | None = 
             raise UserError(f"permission denied connecting to the ckptfs control socket "
                             f"{socket_path}: only root and the mount's owner (or, with "
                             f"access to it, its group) may use it") from None
-        sock.sendall(json.dumps(payload).encode() + b"\n")
+        try:
+            sock.sendall(json.dumps(payload).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused at connect (a peer it does not serve): the reason waits to be read
         buffer = b""
         while True:
             chunk = sock.recv(65536)

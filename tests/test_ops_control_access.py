@@ -15,11 +15,13 @@ table itself (owner, root, member, other; every op) is checked on ``ControlServe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import shlex
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -76,10 +78,10 @@ def reachable_interpreter(base: Path) -> list[str]:
     return [UNSHARE, "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
 
 
-def as_user(*argv: str, gid: int | None = None, groups: list[int] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-    """Run ``ckptfs argv`` as nobody, with primary group ``gid`` (default: nobody's) and
-    supplementary ``groups`` (default: none)."""
+def as_user(*argv: str, gid: int | None = None, groups: list[int] | None = None,
+            python: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``ckptfs argv`` (or, with ``python``, that script with ``argv``) as nobody, with
+    primary group ``gid`` (default: nobody's) and supplementary ``groups`` (default: none)."""
     user = pwd.getpwnam("nobody")
     ids = [f"--reuid={user.pw_uid}", f"--regid={user.pw_gid if gid is None else gid}"]
     ids += [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
@@ -87,8 +89,8 @@ def as_user(*argv: str, gid: int | None = None, groups: list[int] | None = None
            "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "HOME": "/"}
     base = Path(os.environ["CKPTFS_RUNTIME_DIR"]).parent  # world_mounter's open base
     return subprocess.run(
-        [*reachable_interpreter(base), str(SETPRIV), *ids, "--", sys.executable, "-m",
-         "ckptfs", *argv],
+        [*reachable_interpreter(base), str(SETPRIV), *ids, "--", sys.executable,
+         *(["-c", python] if python else ["-m", "ckptfs"]), *argv],
         capture_output=True, text=True, timeout=120, cwd="/", env=env, check=False)
 
 
@@ -176,6 +178,40 @@ def _refusal(uid: int, gid: int, op: str, pid: int = 0, **more: Any) -> str | No
 
 
 ALL_OPS = ["status", "sync", "ls-tiers", "retention", "evict", "restore", "no-such-op"]
+
+
+# Opens N connections to the socket argv[1], sends nothing on any, prints the reply of the last.
+SILENT_PEER = """
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    socks.append(s)
+socks[-1].settimeout(30)
+print(socks[-1].recv(65536).decode())
+"""
+
+
+def test_silent_and_numerous_peers_cannot_hold_the_socket(world_mounter: Mounter) -> None:
+    """A stranger is refused at connect, before it sends anything (no descriptor held for
+    ``REQUEST_TIMEOUT``); a group member gets at most ``MEMBER_CONNECTIONS`` at once; root
+    is never limited (issue 19, item 6)."""
+    m = shared_mount(world_mounter, "a")
+    sock = str(json.loads(os.getxattr(m.path, "user.ckptfs.daemon"))["control"])
+    done = as_user(sock, "1", python=SILENT_PEER)
+    assert done.returncode == 0, done.stderr
+    assert "permission denied" in done.stdout and "control socket" in done.stdout, done.stdout
+    n = control.MEMBER_CONNECTIONS + 1
+    done = as_user(sock, str(n), python=SILENT_PEER, groups=[GROUP])
+    assert done.returncode == 0, done.stderr
+    assert "busy" in done.stdout and f"{control.MEMBER_CONNECTIONS} requests" in done.stdout, \
+        done.stdout
+    with contextlib.ExitStack() as held:   # root's own silent connections do not lock it out
+        for _ in range(n):
+            s = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            s.connect(sock)
+        assert ckptfs("status", m.path).returncode == 0
 
 
 def test_refusal_rules() -> None:
