@@ -49,8 +49,8 @@ STORAGE_CLASSES = frozenset(
     {"STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR", "GLACIER",
      "DEEP_ARCHIVE"}
 )
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 # The longest duration accepted (100 years): anything longer means "never" to a person, and
@@ -59,7 +59,8 @@ MAX_DURATION_S = 100 * 365 * 86400
 
 
 def parse_duration(value: Any) -> timedelta:
-    """'90s', '15m', '24h', '7d', '8w' or a number of seconds: finite, 0 to 100 years."""
+    """'50ms', '90s', '15m', '24h', '7d', '8w' or a number of seconds: finite, 0 to 100
+    years."""
     if isinstance(value, timedelta):
         seconds: float = value.total_seconds()
     # ValueError, not TypeError: pydantic turns only ValueError into a validation error (an
@@ -71,7 +72,7 @@ def parse_duration(value: Any) -> timedelta:
     elif isinstance(value, str) and (match := _DURATION_RE.match(value)):
         seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
     else:
-        raise ValueError(f"expected a duration such as '30s', '24h', '7d' or '8w', not {value!r}")
+        raise ValueError(f"expected a duration such as '50ms', '30s', '24h', '7d' or '8w', not {value!r}")
     # Before the comparisons: nan passes both of them. (An int is finite, however large; a
     # string of too many digits becomes inf, which the last test refuses as too long.)
     if isinstance(value, float) and not math.isfinite(value):
