@@ -396,11 +396,12 @@ class Journal:
 
     def unreconciled(self) -> list[Row]:
         """Inodes that may differ from the warm tier: every linked inode except the root, open
-        or incomplete files, and REMOTE files still at their committed key.
+        or incomplete files, and COMMITTED or REMOTE ones still at their committed key.
 
-        A REMOTE file (evicted, or known from the store) renamed before the crash has no local
-        copy to upload: its server-side move is the only thing that brings the object to its
-        new key, so it is in (as is a COMMITTED one, whatever its key)."""
+        Start-up is then O(files to do), not O(files known) (issue 19): a remount of a staging
+        directory with 100,000 committed files queues none of them. A COMMITTED or REMOTE
+        entry renamed before the crash (its path no longer gives ``remote_key``) is in: its
+        server-side move is the only thing that brings the object to its new key."""
         rows = [
             _row(r)
             for r in self._db.execute(
@@ -409,11 +410,12 @@ class Journal:
                 (ROOT_INODE, State.OPEN.value),
             )
         ]
-        if not any(row.state is State.REMOTE for row in rows):
+        settled = (State.COMMITTED, State.REMOTE)
+        if not any(row.state in settled for row in rows):
             return rows
         paths = self._linked_paths()
         return [row for row in rows
-                if row.state is not State.REMOTE or _key(row, paths.get(row.ino)) != row.remote_key]
+                if row.state not in settled or _key(row, paths.get(row.ino)) != row.remote_key]
 
     def _linked_paths(self) -> dict[int, bytes]:
         """The path of every inode reachable from the root, in one scan of the table (a
