@@ -148,6 +148,7 @@ class RemoteFile:
     mtime: float | None = None  # from ckptfs metadata, when known
     storage_class: str = "STANDARD"
     restoring: bool = False
+    etag: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,11 @@ class Checkpoint:
     restoring: frozenset[str] = frozenset()  # tiers where a restore from archive is running
     files: tuple[tuple[str, int], ...] = ()  # (key, size) of every file
     in_use: bool = False  # a file is open: no eviction, no deletion
+    # Tiers sharing one location (storage classes of a prefix) that hold it only together:
+    # an in-place transition cut short left some files in one class, the rest in another.
+    # Each member is ``partial``; the location still has every file once (the planner
+    # completes the transition from them).
+    spread: frozenset[str] = frozenset()
 
     @property
     def is_pointer(self) -> bool:
@@ -196,6 +202,7 @@ def build(
     progress: Mapping[str, float] | None = None,
     detector: Detector | None = None,
     markers: Sequence[str] | None = None,
+    locations: Mapping[str, str] | None = None,
 ) -> list[Checkpoint]:
     """Checkpoints from the journal's files and each remote tier's files, oldest step first.
 
@@ -203,7 +210,8 @@ def build(
     the journal has (a checkpoint directory with no file yet counts as being written);
     ``progress`` gives bytes already sent of each uploading file (by key). ``detector``
     (default: the legacy top-level rule with ``step_regex``) groups keys into checkpoints;
-    with ``markers`` (``commit_markers``), a checkpoint with no marker object is not complete.
+    with ``markers`` (``commit_markers``), a checkpoint with no marker object is not complete;
+    ``locations`` (tier -> location) tells which tiers are classes of one prefix (``spread``).
     """
     if detector is None:
         detector = Detector.from_pattern(step_regex=step_regex)
@@ -229,14 +237,16 @@ def build(
             acc_of(r.key).remote.setdefault(tier, []).append(r)
     result = []
     for name, acc in accs.items():
-        result.append(_checkpoint(name, steps[name], acc, tier_order, progress, markers))
+        result.append(_checkpoint(name, steps[name], acc, tier_order, progress, markers,
+                                  locations or {}))
     result.sort(key=lambda c: (c.step is None, c.step if c.step is not None else 0,
                                c.time or 0.0, c.name))
     return result
 
 
 def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str],
-                progress: Mapping[str, float], markers: Sequence[str] | None) -> Checkpoint:
+                progress: Mapping[str, float], markers: Sequence[str] | None,
+                locations: Mapping[str, str]) -> Checkpoint:
     by_tier = {t: {r.key: r for r in files} for t, files in acc.remote.items()}
     busy: str | None = None
     checksums: dict[str, str | None] = {}
@@ -288,12 +298,21 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
             continue
         if any(r.restoring for r in present.values()):
             restoring.add(tier)
-        whole = bool(files) and all(
-            key in present and present[key].size == size
-            and (checksums.get(key) is None or present[key].checksum is None
-                 or present[key].checksum == checksums[key])
-            for key, size in files.items())
-        (held if whole else partial).add(tier)
+        (held if _whole(files, present, checksums) else partial).add(tier)
+    spread: set[str] = set()
+    by_location: dict[str, list[str]] = {}
+    for tier in partial:
+        if tier in locations:
+            by_location.setdefault(locations[tier], []).append(tier)
+    for location, members in by_location.items():
+        if len(members) < 2 or any(t in held for t in tier_order
+                                   if locations.get(t) == location):
+            continue
+        union: dict[str, RemoteFile] = {}
+        for tier in members:
+            union.update(by_tier.get(tier, {}))
+        if _whole(files, union, checksums):
+            spread.update(members)
     fraction = None
     if busy == "uploading":
         total = sum(f.size for f in acc.local) or 1
@@ -304,8 +323,18 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
         name=name, step=step, time=time, size=sum(files.values()), busy=busy,
         held=frozenset(held), partial=frozenset(partial), progress=fraction,
         restoring=frozenset(restoring), files=tuple(sorted(files.items())),
-        in_use=any(f.open for f in acc.local),
+        in_use=any(f.open for f in acc.local), spread=frozenset(spread),
     )
+
+
+def _whole(files: Mapping[str, int], present: Mapping[str, RemoteFile],
+           checksums: Mapping[str, str | None]) -> bool:
+    """Every file is in ``present`` with its size (and checksum, where both are known)."""
+    return bool(files) and all(
+        key in present and present[key].size == size
+        and (checksums.get(key) is None or present[key].checksum is None
+             or present[key].checksum == checksums[key])
+        for key, size in files.items())
 
 
 def _has_marker(name: str, files: Mapping[str, int], acc: _Acc,

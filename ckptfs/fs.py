@@ -51,7 +51,7 @@ from ckptfs.listing import Lister
 from ckptfs.namespace import Namespace
 from ckptfs.noderun import boot_id, page_cache_lost
 from ckptfs.staging import SpaceBudget, Staging
-from ckptfs.tiers.base import ARCHIVE_CLASSES
+from ckptfs.tiers.base import ARCHIVE_CLASSES, ObjectArchived
 
 if TYPE_CHECKING:
     from ckptfs.tiers.base import Tier
@@ -760,7 +760,11 @@ class Filesystem:
             wanted = max(0, min(size, row.size - offset))  # the journal's size is the file's
             if row.state is not State.REMOTE or self.fetcher is None:
                 break
-            await self.fetcher.ensure(row, offset, wanted)
+            try:
+                await self.fetcher.ensure(row, offset, wanted)
+            except ObjectArchived:
+                await self._archived_since(row)
+                raise
             if row.state is not State.REMOTE:
                 continue  # truncated or completed meanwhile: look at it again
             if self.fetcher.covers(row, offset, wanted):
@@ -1018,6 +1022,20 @@ class Filesystem:
         row.size = 0
         row.state = State.COMMITTED  # local and empty; the caller starts the new version
         self.ns.persist(row)
+
+    async def _archived_since(self, row: Row) -> None:
+        """A read found the object in an archive class the journal did not know of (moved
+        after this node last listed it: a bucket lifecycle rule, another node's retention).
+        The journal learns the class, and the read fails as the open of an archived file
+        does (EAGAIN, a restore requested, the log naming `ckptfs restore`); returns only
+        if the object is readable again (the caller re-raises)."""
+        assert self.fetcher is not None and row.remote_key is not None
+        info = await self.fetcher.tier.head(row.remote_key)
+        if info.storage_class in ARCHIVE_CLASSES and row.storage_class != info.storage_class \
+                and row.state is State.REMOTE:
+            row.storage_class = info.storage_class
+            self.ns.persist(row)
+        await self._check_archived(row)
 
     async def _check_archived(self, row: Row) -> None:
         """A file only in an archive storage class cannot be read until it is restored:

@@ -14,6 +14,7 @@ that is not archived is left alone (restoring twice is harmless); errors name th
 from __future__ import annotations
 
 import logging
+import math
 import os
 import stat
 from collections.abc import Awaitable, Callable
@@ -48,8 +49,13 @@ class RestoreProgress:
 
 async def archived_files(fs: Filesystem, row: Row) -> list[Row]:
     """The files at or under ``row`` whose only copy is in an archive storage class."""
+    # The classes as the store has them now: another node's retention (or a lifecycle rule)
+    # may have moved objects since the last listing.
     if fs.lister is not None and stat.S_ISDIR(row.mode):
-        await fs.lister.refresh_tree(row)
+        await fs.lister.refresh_tree(row, current=True)
+    elif fs.lister is not None and row.parent is not None:
+        await fs.lister.refresh(fs.ns.get(row.parent), wait=math.inf, current=True)
+        row = fs.ns.get(row.ino)
     inos = [row.ino, *fs.journal.descendants(row.ino)] if stat.S_ISDIR(row.mode) else [row.ino]
     found = []
     for ino in inos:

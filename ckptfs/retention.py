@@ -136,7 +136,9 @@ def tier_location(config: TierConfig) -> tuple[str, str, str]:
     if parts.scheme == "file":
         path = os.path.normpath(unquote(parts.path))
         return f"file:{path}", f"file:{path}", "STANDARD"
-    return f"memory:{parts.netloc}{parts.path}", "memory", "STANDARD"
+    # Memory tiers (tests) have storage classes as S3 does (tiers/memory.py).
+    cls = parse_qs(parts.query).get("storage_class", ["STANDARD"])[-1]
+    return f"memory:{parts.netloc}{parts.path}", "memory", cls
 
 
 # -- selection ---------------------------------------------------------------------------
@@ -259,8 +261,12 @@ def plan(checkpoints: Sequence[Checkpoint], policy: Policy, now: float) -> list[
     def source_for(c: Checkpoint, dst: str) -> tuple[str, str | None]:
         holders = [t for t in order if t in c.held]
         readable = [t for t in holders if t not in archived]
+        # Spread over classes of dst's location (a transition cut short): completed in
+        # place, each file from where it is (the copy skips files dst has).
+        spread = [t for t in order if t in c.spread and t != dst and loc[t] == loc[dst]
+                  and t not in archived]
         for pool in (
-            [t for t in readable if t != HOT and loc[t] == loc[dst]],  # in-place transition
+            [t for t in readable if t != HOT and loc[t] == loc[dst]] + spread,  # in place
             [t for t in readable if t != HOT and group[t] == group[dst]],  # server-side
             [t for t in readable if t == HOT],  # local NVMe
             [t for t in readable if t != HOT],
@@ -275,6 +281,11 @@ def plan(checkpoints: Sequence[Checkpoint], policy: Policy, now: float) -> list[
             continue
         present = [t for t in remote if t in c.held or t in c.partial]
         holders = [t for t in remote if t in c.held]
+        if not holders and c.busy is None:
+            # No tier holds it whole, but the classes of one location do together (an
+            # in-place transition cut short): planned as held by them, so that the copy
+            # into the class that must hold it completes the transition.
+            holders = [t for t in remote if t in c.spread]
         if c.busy is not None or not holders:
             # Busy: not ours to touch. Complete but on no remote tier (its store copy was
             # lost): nothing is safe to do.
@@ -521,11 +532,12 @@ class Retention:
                 remote[owner.name].append(RemoteFile(
                     info.key, info.size, meta.checksum if meta else None,
                     meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
-                    info.storage_class, info.restore_state == "ongoing"))
+                    info.storage_class, info.restore_state == "ongoing", info.etag))
         progress = dict(self.upload_progress()) if self.upload_progress else {}
         checkpoints = build(files, remote, step_regex="", detector=self.detector,
                             markers=self.markers, tier_order=self.policy.names,
-                            local_entries=names, progress=progress)
+                            local_entries=names, progress=progress,
+                            locations={t.name: t.location for t in self.policy.tiers})
         tier_bytes = {t: sum(r.size for r in remote[t]) for t in remote}
         tier_bytes[HOT] = sum(f.size for f in files if f.local)
         return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now)
@@ -606,6 +618,7 @@ class Retention:
         here; True if anything else (copies, removals, deletions: shared state) is planned.
         A run with nothing shared to do thus writes nothing to the store."""
         state = await self.collect(now)
+        self._learn_classes(state)
         actions = plan(state.checkpoints, self.policy, state.now)
         total.blocked = [a for a in actions if a.blocked is not None]
         runnable = [a for a in actions if a.blocked is None]
@@ -619,6 +632,7 @@ class Retention:
     async def _rounds(self, total: RunResult, now: float | None) -> None:
         for _ in range(MAX_ROUNDS):
             state = await self.collect(now)
+            self._learn_classes(state)
             actions = plan(state.checkpoints, self.policy, state.now)
             runnable = [a for a in actions if a.blocked is None]
             total.blocked = [a for a in actions if a.blocked is not None]
@@ -694,13 +708,58 @@ class Retention:
                     checksum = (await src.head(key)).meta.checksum
                 await copy_object(src, dst, key, size, self._scratch(), checksum)
             try:
-                await verify(dst, key, size, checksum)
+                info = await verify(dst, key, size, checksum)
             except CopyMismatch:
                 # Not a copy anyone may rely on: gone, so that no later listing counts it
                 # (unless the copy was in place: then it is the only one).
                 if self.policy.tier(action.tier).location != self.policy.tier(action.source).location:
                     await dst.delete(key)
                 raise
+            if self.policy.tier(action.tier).location == self._warm().location:
+                self._learn_class(key, local, info)
+
+    def _learn_classes(self, state: Snapshot) -> None:
+        """Every run: the journal learns the storage class the warm prefix's listing shows
+        for this node's files. A transition whose journal update was lost (a crash after
+        the copy, a verification that failed transiently, another node's run, a lifecycle
+        rule) is caught up here even if nobody lists that directory through the mount."""
+        warm = self._warm().location
+        for t in self.policy.tiers:
+            if t.name == HOT or t.location != warm:
+                continue
+            for r in state.remote.get(t.name, []):
+                local = state.local.get(r.key)
+                if local is not None:
+                    self._learn_class(r.key, local, ObjectInfo(
+                        r.key, r.size, ObjectMeta(checksum=r.checksum), r.storage_class,
+                        etag=r.etag))
+
+    def _learn_class(self, key: str, local: LocalFile | None, info: ObjectInfo) -> None:
+        """The object at ``key`` on the warm tier's prefix is now in ``info``'s class (an
+        in-place transition, e.g. to GLACIER): the journal learns it at once, so that this
+        node says ``archived`` and asks for ``ckptfs restore`` instead of failing reads.
+
+        Only the row still pointing at that object with the same bytes learns it: one that
+        was rewritten meanwhile (a new version on its way, or uploaded since) is not about
+        this object. Anything missed here is caught by the next listing of its directory
+        (listing.py compares the class even when the ETag is unchanged)."""
+        if self.fs is None or local is None:
+            return
+        try:
+            row = self._row(local.ino)
+        except CkptfsError:
+            return  # removed meanwhile
+        same = (info.etag is not None and info.etag == row.remote_etag) or (
+            info.meta.checksum is not None and info.meta.checksum == row.checksum
+            and info.size == row.size)
+        if row.remote_key != key or not same \
+                or row.state not in (State.COMMITTED, State.REMOTE):
+            return
+        archived = info.storage_class if info.storage_class in ARCHIVE_CLASSES else None
+        if (row.storage_class, row.remote_etag) != (archived, info.etag or row.remote_etag):
+            row.storage_class = archived
+            row.remote_etag = info.etag or row.remote_etag
+            self.fs.ns.persist(row)
 
     def _scratch(self) -> Path:
         if self.scratch is not None:

@@ -1,0 +1,214 @@
+"""Archive storage classes without a mount (memory tiers with classes, autojump clock).
+
+Item 1 of issue 20: the node whose retention moved a checkpoint into an archive class of the
+warm tier's prefix must know it (``archived``, EAGAIN at open naming ``ckptfs restore``, and
+``restore`` finds the files), however the class changed: its own run, a run cut short before
+the journal learnt it (the next run or listing catches up), another node's run or a lifecycle
+rule (the listing, or the read that meets the archived object).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from ckptfs.config import Config
+from ckptfs.errors import NeedsRestore
+from ckptfs.fs import Filesystem, state_label
+from ckptfs.journal import ROOT_INODE, Row, State
+from ckptfs.restore import restore
+from ckptfs.retention import Policy, Retention
+from ckptfs.tiers.base import Tier
+from ckptfs.tiers.faulty import FaultyTier
+from ckptfs.tiers.memory import MemoryTier, store_named
+from ckptfs.tiers.transfer import unwrap
+from tests.cluster import Node, run_node
+
+MARKERS = (".metadata",)
+
+
+def policy_config(store: str, hot: int = 1, warm: int = 1) -> Config:
+    return Config.model_validate({
+        "staging_dir": "/tmp/unused",
+        "tier": [
+            {"name": "hot", "keep": {"last": hot}},
+            {"name": "warm", "url": f"memory://{store}", "keep": {"last": warm}},
+            {"name": "cold", "url": f"memory://{store}?storage_class=GLACIER",
+             "keep": {"all": True}},
+        ],
+    })
+
+
+@asynccontextmanager
+async def archive_node(tmp_path: Path, name: str = "a", store: str | None = None,
+                       hot: int = 1, warm: int = 1) -> AsyncIterator[tuple[Node, Retention,
+                                                                           dict[str, Tier]]]:
+    """A node over a memory store, and its retention: hot and warm keep the last complete
+    checkpoint, cold (the same prefix in GLACIER) keeps them all."""
+    store = store or f"ret-archive-{id(tmp_path)}"
+    if name == "a":
+        store_named(store).clear()
+    async with trio.open_nursery() as nursery:
+        node: Node = await nursery.start(run_node, tmp_path / name, store)
+        config = policy_config(store, hot, warm)
+        tiers: dict[str, Tier] = {
+            "warm": node.tier,
+            "cold": MemoryTier("cold", f"memory://{store}?storage_class=GLACIER", store)}
+        retention = Retention(Policy.from_config(config), tiers, fs=node.fs, markers=MARKERS)
+        try:
+            yield node, retention, tiers
+        finally:
+            await node.stop()
+            nursery.cancel_scope.cancel()
+
+
+async def write_steps(node: Node, steps: range) -> None:
+    for step in steps:
+        await node.write(f"step_{step}/model.pt", bytes([step]) * (300 * 1024))
+        await node.write(f"step_{step}/.metadata", b"m")
+    await node.uploader.wait_idle()
+
+
+def row_at(fs: Filesystem, path: str) -> Row:
+    row = fs.ns.get(ROOT_INODE)
+    for part in path.split("/"):
+        row = fs.ns.lookup(row.ino, part.encode())
+    return row
+
+
+def classes(tier: Tier) -> dict[str, str]:
+    tier = unwrap(tier)
+    assert isinstance(tier, MemoryTier)
+    return {k: o.storage_class for k, o in tier.objects.items() if k.startswith("step_")}
+
+
+async def read_all(fs: Filesystem, row: Row) -> bytes:
+    fh = await fs.open(row.ino, os.O_RDONLY)
+    try:
+        return await fs.read(fh, 0, row.size)
+    finally:
+        fs.release(fh)
+
+
+async def no_report(progress: dict[str, Any]) -> None:
+    await trio.lowlevel.checkpoint()
+
+
+async def test_the_node_that_archived_knows_it_and_restore_finds_it(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    async with archive_node(tmp_path) as (node, retention, tiers):
+        await write_steps(node, range(1, 4))
+        result = await retention.run_once()
+        assert not result.failed, result.failed
+        assert classes(tiers["warm"])["step_1/model.pt"] == "GLACIER"
+        assert classes(tiers["warm"])["step_3/model.pt"] == "STANDARD"
+        row = row_at(node.fs, "step_1/model.pt")
+        assert row.state is State.REMOTE and state_label(row) == "archived"
+        with pytest.raises(NeedsRestore, match="ckptfs restore"):
+            await node.fs.open(row.ino, os.O_RDONLY)
+        MemoryTier.restore_delay = 300.0  # minutes of waiting, skipped by the autojump clock
+        try:
+            done = await restore(node.fs, row_at(node.fs, "step_1"), days=1, local=False,
+                                 report=no_report, poll_interval=60)
+        finally:
+            MemoryTier.restore_delay = 0.0
+        assert (done.files, done.restored_files) == (2, 2)
+        assert classes(tiers["warm"])["step_1/model.pt"] == "STANDARD"
+        assert state_label(row_at(node.fs, "step_1/model.pt")) == "remote"
+        assert await read_all(node.fs, row_at(node.fs, "step_1/model.pt")) == \
+            bytes([1]) * (300 * 1024)
+
+
+async def test_a_transition_the_journal_missed_is_learnt_by_the_next_run(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """The copy to GLACIER happened but its verification failed (a transient HEAD error):
+    the action failed, the journal did not learn the class from it; the next run sees the
+    object already in cold (nothing to copy) and the journal learns the class anyway."""
+    async with archive_node(tmp_path) as (node, retention, tiers):
+        await write_steps(node, range(1, 4))
+        warm = node.tier
+        assert isinstance(warm, FaultyTier)
+        cold = tiers["cold"]
+        assert isinstance(cold, MemoryTier)
+        real_head = cold.head
+        failing = {"n": 0}
+
+        async def head_fails_once(key: str) -> Any:
+            if key == "step_1/model.pt" and failing["n"] == 0:
+                failing["n"] += 1
+                from ckptfs.errors import StoreUnavailable
+                raise StoreUnavailable("HEAD timed out")
+            return await real_head(key)
+
+        cold.head = head_fails_once  # type: ignore[method-assign]
+        first = await retention.run_once()
+        assert any(a.checkpoint == "step_1" for a, _ in first.failed), first.failed
+        assert classes(warm)["step_1/model.pt"] == "GLACIER"
+        # Not evicted (the copy did not complete in that run) or evicted by a later round:
+        # either way, after the next run the journal knows the class.
+        await retention.run_once()
+        row = row_at(node.fs, "step_1/model.pt")
+        assert row.storage_class == "GLACIER"
+        assert state_label(row) == "archived"
+
+
+async def test_a_class_changed_behind_the_node_is_learnt_by_listing_and_by_reads(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """Another node's retention (or a lifecycle rule) moved objects in place: same tag, new
+    class. A listing of the directory teaches the journal; a read that meets the archived
+    object before any listing fails like an open of an archived file (EAGAIN naming
+    ``ckptfs restore``, a restore requested) and teaches it too."""
+    async with archive_node(tmp_path) as (node, retention, tiers):
+        await write_steps(node, range(1, 3))
+        fs = node.fs
+        rows = [row_at(fs, f"step_1/{n}") for n in ("model.pt", ".metadata")]
+        fs.evict(*rows)
+        cold = tiers["cold"]
+        assert isinstance(cold, MemoryTier)
+        for key in ("step_1/model.pt", "step_1/.metadata", "step_2/model.pt"):
+            cold.place(key, cold.objects[key])  # in place, same tag: a lifecycle transition
+        row = row_at(fs, "step_1/model.pt")
+        assert state_label(row) == "remote"  # not known yet
+        assert fs.lister is not None
+        await fs.lister.refresh(row_at(fs, "step_1"), wait=float("inf"), current=True)
+        assert state_label(row_at(fs, "step_1/model.pt")) == "archived"
+        # step_2 is on NVMe here: still readable, and archived once evicted.
+        two = row_at(fs, "step_2/model.pt")
+        fs.evict(two)
+        two.storage_class = None  # as if no listing had run since the transition
+        fs.ns.persist(two)
+        fh = await fs.open(two.ino, os.O_RDONLY)
+        try:
+            with pytest.raises(NeedsRestore, match="ckptfs restore"):
+                await fs.read(fh, 0, 4096)
+        finally:
+            fs.release(fh)
+        assert row_at(fs, "step_2/model.pt").storage_class == "GLACIER"
+        assert cold.objects["step_2/model.pt"].restored_at is not None  # restore requested
+
+
+async def test_a_new_version_is_not_taken_for_the_archived_one(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """The transition and a rewrite of the file race: the journal's row is the new version
+    (uploaded in STANDARD); what retention learnt of the old object must not stick to it."""
+    async with archive_node(tmp_path, hot=3) as (node, retention, tiers):
+        await write_steps(node, range(1, 4))
+        fs = node.fs
+        old = row_at(fs, "step_1/model.pt")
+        state = await retention.collect()
+        local = state.local["step_1/model.pt"]
+        info = await tiers["warm"].head("step_1/model.pt")
+        await node.write("step_1/model.pt", b"new version")
+        await node.uploader.wait_idle()
+        from dataclasses import replace
+        retention._learn_class("step_1/model.pt", local, replace(info, storage_class="GLACIER"))
+        row = row_at(fs, "step_1/model.pt")
+        assert row.ino == old.ino and row.storage_class is None
+        assert state_label(row) == "committed"
