@@ -31,7 +31,9 @@ symlinks are not part of the test): a tier holds it when every file of the check
 with its size (and checksum, where the listing tells it). The files of a checkpoint are the
 objects the warmest tier that has any of it lists under it (other nodes write shards this
 journal never heard of) plus the journal's files, whose sizes win. Colder tiers are not
-merged in: a stale leftover there must not make the warmer copy look partial.
+merged in: a stale leftover there must not make the warmer copy look partial. Tiers that are
+storage classes of that tier's prefix are merged in (the same keys: one object per key), so
+that a checkpoint halfway through a transition or a restore is seen with all its files.
 
 ``build`` is pure (tests drive it directly); ``collect`` gathers its inputs from a live
 namespace and the tiers.
@@ -175,6 +177,8 @@ class Checkpoint:
     # Each member is ``partial``; the location still has every file once (the planner
     # completes the transition from them).
     spread: frozenset[str] = frozenset()
+    # Restore pins (pins.py): (tier, until wall time); the tier keeps it until then.
+    pins: tuple[tuple[str, float], ...] = ()
 
     @property
     def is_pointer(self) -> bool:
@@ -254,10 +258,16 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
     # nodes wrote) plus the journal's own files, which override (this node knows them best).
     # Colder tiers are not merged in: a stale leftover there must not make the warm copy
     # look partial.
+    # Tiers that are classes of one prefix share their keys (one object per key): their
+    # listings together are that location's, e.g. halfway through an in-place transition
+    # or a restore, some objects are in one class and the rest in another.
     files: dict[str, int] = {}
     for tier in tier_order:
         if by_tier.get(tier):
-            files = {key: r.size for key, r in by_tier[tier].items()}
+            where = locations.get(tier)
+            for member in tier_order:
+                if member == tier or (where is not None and locations.get(member) == where):
+                    files.update({key: r.size for key, r in by_tier.get(member, {}).items()})
             break
     if acc.has_entry:
         files.update({f.key: f.size for f in acc.local})

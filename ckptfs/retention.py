@@ -42,7 +42,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -65,6 +65,7 @@ from ckptfs.coordination import retired_key
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.lease import Holder, Lease
+from ckptfs.pins import Pin, drop_local, local_pins, store_pins
 from ckptfs.tiers.base import CONTROL_PREFIX, Kind, ObjectInfo, ObjectMeta, Tier
 from ckptfs.tiers.transfer import CopyMismatch, copy_object, put_checked, verify
 
@@ -206,6 +207,11 @@ def select(checkpoints: Sequence[Checkpoint], policy: Policy, now: float
                 if bucket not in buckets:
                     buckets.add(bucket)
                     chosen.setdefault(c.name, []).append(rule)
+        for c in checkpoints:
+            # A restore pin (pins.py): kept where `ckptfs restore` put it, like a rule.
+            until = max((u for tier, u in c.pins if tier == t.name and u > now), default=None)
+            if until is not None and c.step is not None:
+                chosen.setdefault(c.name, []).append(Pin("", until).describe())
         if keep.milestones and policy.total_steps:
             for fraction in keep.milestones:
                 target = fraction * policy.total_steps
@@ -378,6 +384,9 @@ def report(checkpoints: Sequence[Checkpoint], policy: Policy, now: float,
             "state": "pointer" if c.step is None and c.busy is None else (c.busy or "complete"),
             "tiers": tiers, "kept_by": kept_by,
             "next": [a.describe() for a in by_ckpt.get(c.name, [])],
+            # Restore pins still in force: tier -> until (wall time).
+            "pinned": {t: max(u for p, u in c.pins if p == t)
+                       for t in sorted({p for p, u in c.pins if u > now})},
         })
     if tier_bytes is None:
         tier_bytes = {t: sum(c.size for c in checkpoints if t in c.held) for t in policy.names}
@@ -446,6 +455,8 @@ class Snapshot:
     remote: dict[str, list[RemoteFile]]  # tier -> its objects (files only)
     tier_bytes: dict[str, int]
     now: float
+    store_pins: list[Pin] = field(default_factory=list)  # expired ones too
+    local_pins: list[Pin] = field(default_factory=list)
 
 
 class Retention:
@@ -533,14 +544,40 @@ class Retention:
                     info.key, info.size, meta.checksum if meta else None,
                     meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
                     info.storage_class, info.restore_state == "ongoing", info.etag))
+        # The pins after the objects (pins.py): a restored object listed above was promoted
+        # after its pin was written, so the pin is in this later listing.
+        warm_pins = await store_pins(self.tiers[self._warm().name])
+        here = local_pins(self.fs.journal) if self.fs is not None else []
         progress = dict(self.upload_progress()) if self.upload_progress else {}
         checkpoints = build(files, remote, step_regex="", detector=self.detector,
                             markers=self.markers, tier_order=self.policy.names,
                             local_entries=names, progress=progress,
                             locations={t.name: t.location for t in self.policy.tiers})
+        checkpoints = [self._pinned(c, warm_pins, here, now) for c in checkpoints]
         tier_bytes = {t: sum(r.size for r in remote[t]) for t in remote}
         tier_bytes[HOT] = sum(f.size for f in files if f.local)
-        return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now)
+        return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now,
+                        warm_pins, here)
+
+    def _pinned(self, c: Checkpoint, warm: Sequence[Pin], here: Sequence[Pin],
+                now: float) -> Checkpoint:
+        if c.step is None:
+            return c
+        pins = [(self._warm().name, p.until) for p in warm if p.until > now and p.covers(c.name)]
+        pins += [(HOT, p.until) for p in here if p.until > now and p.covers(c.name)]
+        return replace(c, pins=tuple(pins)) if pins else c
+
+    async def _prune_pins(self, state: Snapshot, shared: bool) -> None:
+        """Expired pins go: this node's journal rows always, the store's records only by
+        the lease holder (``shared``)."""
+        if self.fs is not None:
+            for pin in state.local_pins:
+                if pin.until <= state.now:
+                    drop_local(self.fs.journal, pin)
+        if shared:
+            for pin in state.store_pins:
+                if pin.until <= state.now and pin.key is not None:
+                    await self.tiers[self._warm().name].delete(pin.key)
 
     def _is_pointer(self, key: str) -> bool:
         return self.detector.locate(key)[1] is None
@@ -619,6 +656,7 @@ class Retention:
         A run with nothing shared to do thus writes nothing to the store."""
         state = await self.collect(now)
         self._learn_classes(state)
+        await self._prune_pins(state, shared=False)
         actions = plan(state.checkpoints, self.policy, state.now)
         total.blocked = [a for a in actions if a.blocked is not None]
         runnable = [a for a in actions if a.blocked is None]
@@ -630,9 +668,11 @@ class Retention:
         return any(a.kind != "evict" for a in runnable)
 
     async def _rounds(self, total: RunResult, now: float | None) -> None:
-        for _ in range(MAX_ROUNDS):
+        for round_ in range(MAX_ROUNDS):
             state = await self.collect(now)
             self._learn_classes(state)
+            if round_ == 0:
+                await self._prune_pins(state, shared=True)
             actions = plan(state.checkpoints, self.policy, state.now)
             runnable = [a for a in actions if a.blocked is None]
             total.blocked = [a for a in actions if a.blocked is not None]

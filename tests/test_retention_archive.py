@@ -10,6 +10,7 @@ rule (the listing, or the read that meets the archived object).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from ckptfs.config import Config
 from ckptfs.errors import NeedsRestore
 from ckptfs.fs import Filesystem, state_label
 from ckptfs.journal import ROOT_INODE, Row, State
+from ckptfs.pins import pin_in_store
 from ckptfs.restore import restore
 from ckptfs.retention import Policy, Retention
 from ckptfs.tiers.base import Tier
@@ -212,3 +214,99 @@ async def test_a_new_version_is_not_taken_for_the_archived_one(
         row = row_at(fs, "step_1/model.pt")
         assert row.ino == old.ino and row.storage_class is None
         assert state_label(row) == "committed"
+
+
+# -- item 2: restore pins ---------------------------------------------------------------
+
+
+def kept_by(report: dict[str, Any], name: str) -> list[str]:
+    row = next(r for r in report["checkpoints"] if r["name"] == name)
+    return list(row["kept_by"])
+
+
+@pytest.mark.parametrize("local", [True, False])
+async def test_a_restore_is_not_undone_until_its_days_are_over(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock, local: bool) -> None:
+    """``restore`` (``--local``: also to NVMe) of an archived checkpoint: retention keeps it
+    in the warm class (and on NVMe) for the restore's days, ls-tiers says why; after that,
+    the rules apply again (back to GLACIER, evicted) and the pins are removed."""
+    async with archive_node(tmp_path) as (node, retention, tiers):
+        await write_steps(node, range(1, 4))
+        await retention.run_once()
+        fs = node.fs
+        await restore(fs, row_at(fs, "step_1"), days=2, local=local, report=no_report,
+                      poll_interval=60)
+        assert classes(tiers["warm"])["step_1/model.pt"] == "STANDARD"
+        after = await retention.run_once()
+        assert not [a for a in after.done if a.checkpoint == "step_1"], after.done
+        assert classes(tiers["warm"])["step_1/model.pt"] == "STANDARD"
+        assert row_at(fs, "step_1/model.pt").state is \
+            (State.COMMITTED if local else State.REMOTE)
+        report = await retention.report()
+        rules = kept_by(report, "step_1")
+        assert any(r.startswith("warm: restored, pinned until") for r in rules), rules
+        assert any(r.startswith("hot: restored") for r in rules) == local, rules
+        row = next(r for r in report["checkpoints"] if r["name"] == "step_1")
+        assert set(row["pinned"]) == ({"hot", "warm"} if local else {"warm"})
+        assert not any("step_2" in k for k in store_pin_keys(tiers))
+        # Three days later: nothing holds it any more.
+        later = time.time() + 3 * 86400
+        done = await retention.run_once(now=later)
+        assert {(a.kind, a.checkpoint) for a in done.done} >= \
+            ({("copy", "step_1"), ("evict", "step_1")} if local else {("copy", "step_1")})
+        assert classes(tiers["warm"])["step_1/model.pt"] == "GLACIER"
+        assert row_at(fs, "step_1/model.pt").state is State.REMOTE
+        assert not store_pin_keys(tiers)
+        assert not fs.journal.values_under("pin:")
+
+
+def store_pin_keys(tiers: dict[str, Tier]) -> list[str]:
+    warm = unwrap(tiers["warm"])
+    assert isinstance(warm, MemoryTier)
+    return [k for k in warm.objects if k.startswith(".ckptfs/pins/")]
+
+
+async def test_another_nodes_run_in_the_middle_of_a_restore_does_not_undo_it(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """The lease holder (another node, its own journal) runs between the two promotes of a
+    restore, when step_1 is half in STANDARD, half in GLACIER: the pin is already in the
+    store, so its run leaves step_1 alone, and after the restore step_1 stays STANDARD."""
+    async with archive_node(tmp_path) as (node, retention, tiers):
+        await write_steps(node, range(1, 4))
+        await retention.run_once()
+        store = unwrap(tiers["warm"])
+        assert isinstance(store, MemoryTier)
+        other = Retention(retention.policy, {
+            "warm": MemoryTier("warm", store.url, f"ret-archive-{id(tmp_path)}"),
+            "cold": tiers["cold"]}, markers=MARKERS, node="b")
+        runs = []
+        real_promote = node.tier.promote
+
+        async def promote_then_other_node_runs(key: str) -> None:
+            await real_promote(key)
+            if not runs:
+                runs.append(await other.run_once())
+
+        node.tier.promote = promote_then_other_node_runs  # type: ignore[method-assign]
+        await restore(node.fs, row_at(node.fs, "step_1"), days=1, local=False,
+                      report=no_report, poll_interval=60)
+        assert runs and not [a for a in runs[0].done if a.checkpoint == "step_1"], runs
+        assert set(classes(store)[k] for k in ("step_1/model.pt", "step_1/.metadata")) == \
+            {"STANDARD"}
+        again = await other.run_once()
+        assert not [a for a in again.done if a.checkpoint == "step_1"], again.done
+
+
+async def test_a_pin_without_its_restore_shows_blocked(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """The restore died after writing its pin, before any object left GLACIER: the run
+    plans the copy back to warm as blocked (restore first) and does nothing."""
+    async with archive_node(tmp_path) as (node, retention, tiers):
+        await write_steps(node, range(1, 4))
+        await retention.run_once()
+        await pin_in_store(node.tier, "step_1", time.time() + 86400)
+        result = await retention.run_once()
+        assert not result.failed and not [a for a in result.done if a.checkpoint == "step_1"]
+        assert [(a.kind, a.tier) for a in result.blocked if a.checkpoint == "step_1"] == \
+            [("copy", "warm")]
+        assert classes(tiers["warm"])["step_1/model.pt"] == "GLACIER"

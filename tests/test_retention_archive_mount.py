@@ -94,3 +94,28 @@ def test_archived_checkpoint_on_the_node_that_archived_it(
     assert "restored 2 files" in done.stdout, done.stdout
     assert path.read_bytes() == bodies["step_1/model.pt"]
     assert storage_class(bucket, "step_1/model.pt") == "STANDARD"
+
+
+def test_retention_keeps_a_restored_checkpoint_where_restore_put_it(
+        mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
+    """Item 2: ``restore --local`` of an archived checkpoint, then a retention run: it stays
+    in the warm class and on NVMe (a pin, shown by ls-tiers), instead of going straight back
+    to GLACIER and being evicted."""
+    a = mounter("a", config=archive_config(bucket, tmp_path / "c.toml"))
+    bodies = write_checkpoints(a, range(1, 4))
+    sync(a)
+    apply(a)
+    assert a.state("step_1/model.pt") == "archived"
+    ckptfs("restore", a.path / "step_1", "--local", "--days", "2", "--poll-interval", "0.2",
+           "--timeout", "60")
+    assert a.state("step_1/model.pt") == "committed"
+    result = apply(a)
+    assert not [d for d in result["done"] if d["checkpoint"] == "step_1"], result  # type: ignore[union-attr]
+    assert storage_class(bucket, "step_1/model.pt") == "STANDARD"
+    assert a.state("step_1/model.pt") == "committed"
+    assert (a.path / "step_1" / "model.pt").read_bytes() == bodies["step_1/model.pt"]
+    table = ckptfs("ls-tiers", a.path, env={**os.environ, "COLUMNS": "300"}).stdout
+    rows = {ln.split()[1]: ln for ln in table.splitlines() if ln.startswith("│ step_")}
+    assert "warm: restored, pinned until" in rows["step_1"], table
+    assert "hot: restored, pinned until" in rows["step_1"], table
+    assert "pinned" not in rows["step_2"], table
