@@ -340,8 +340,10 @@ class Filesystem:
                 self.fetcher.drop(row.ino)  # fetched ranges, if any
             else:
                 self.staging.unlink(row.ino)
-        else:
-            self.staging.unlink(row.ino)
+        elif self.staging.unlink(row.ino):
+            # Only if the data was still there: a removed inode is dropped again when its last
+            # reference goes (a handle closed, then the kernel's forget), and its space must
+            # be given back once (else the staging usage drifts below what the disk holds).
             self.space.give_back(row.size)
 
     def _upload_again(self, row: Row) -> None:
