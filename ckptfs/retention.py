@@ -59,9 +59,10 @@ from ckptfs.checkpoints import (
     build,
     is_marker_key,
     journal_files,
+    settle,
 )
 from ckptfs.config import Config, KeepRules, TierConfig
-from ckptfs.coordination import retired_key
+from ckptfs.coordination import NODES, retired_key
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.lease import Holder, Lease
@@ -387,6 +388,8 @@ def report(checkpoints: Sequence[Checkpoint], policy: Policy, now: float,
             # Restore pins still in force: tier -> until (wall time).
             "pinned": {t: max(u for p, u in c.pins if p == t)
                        for t in sorted({p for p, u in c.pins if u > now})},
+            # Why it is left alone, or taken as complete without a marker (settle rule).
+            "note": c.note,
         })
     if tier_bytes is None:
         tier_bytes = {t: sum(c.size for c in checkpoints if t in c.held) for t in policy.names}
@@ -489,6 +492,7 @@ class Retention:
         upload_progress: Callable[[], Mapping[str, float]] | None = None,
         on_removed: Callable[[int, str], None] | None = None,
         node: str | None = None, lease_length: float = 600.0,
+        settle: float | None = None,
     ) -> None:
         self.policy = policy
         self.tiers = dict(tiers)
@@ -497,6 +501,8 @@ class Retention:
                 else DEFAULT_DETECTOR
         self.detector = detector
         self.markers = tuple(markers) if markers is not None else None
+        # ``checkpoint_settle`` in seconds (checkpoints.settle); None: a marker is required.
+        self.settle = settle
         self.node = node
         self.lease: Lease | None = None
         if node is not None:
@@ -527,11 +533,14 @@ class Retention:
         for t in self.policy.tiers:
             if t.name != HOT:
                 locations.setdefault(t.location, []).append(t)
-        for members in locations.values():
+        registered: set[str] = set()
+        for location, members in locations.items():
             infos = await self.tiers[members[0].name].list()
             for info in infos:
                 if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY:
                     continue
+                if info.key.startswith(NODES) and location == self._warm().location:
+                    registered.add(info.key[len(NODES):])
                 if info.key.startswith(CONTROL_PREFIX):
                     continue  # the nodes' shared state (lease, registrations): not data
                 owner = next((m for m in members if m.storage_class == info.storage_class),
@@ -553,6 +562,9 @@ class Retention:
                             markers=self.markers, tier_order=self.policy.names,
                             local_entries=names, progress=progress,
                             locations={t.name: t.location for t in self.policy.tiers})
+        checkpoints = settle(
+            checkpoints, after=-1.0 if self.settle is None else self.settle, now=now,
+            other_writers=sorted(registered - {self.node} if self.node else registered))
         checkpoints = [self._pinned(c, warm_pins, here, now) for c in checkpoints]
         tier_bytes = {t: sum(r.size for r in remote[t]) for t in remote}
         tier_bytes[HOT] = sum(f.size for f in files if f.local)
@@ -970,7 +982,9 @@ class Retention:
                         markers=config.commit_markers,
                         fs=fs, scratch=config.staging_dir / "retention-tmp",
                         upload_progress=upload_progress, on_removed=on_removed, node=node,
-                        lease_length=config.retention_lease.total_seconds())
+                        lease_length=config.retention_lease.total_seconds(),
+                        settle=None if config.checkpoint_settle is None
+                        else config.checkpoint_settle.total_seconds())
         retention._owned = [t for t in tiers.values() if t is not warm]
         return retention
 

@@ -26,7 +26,7 @@ from ckptfs.fs import Filesystem, state_label
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.pins import pin_in_store
 from ckptfs.restore import restore
-from ckptfs.retention import Policy, Retention
+from ckptfs.retention import Policy, Retention, RunResult
 from ckptfs.tiers.base import Tier
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier, store_named
@@ -167,7 +167,7 @@ async def test_a_class_changed_behind_the_node_is_learnt_by_listing_and_by_reads
     class. A listing of the directory teaches the journal; a read that meets the archived
     object before any listing fails like an open of an archived file (EAGAIN naming
     ``ckptfs restore``, a restore requested) and teaches it too."""
-    async with archive_node(tmp_path) as (node, retention, tiers):
+    async with archive_node(tmp_path) as (node, _, tiers):
         await write_steps(node, range(1, 3))
         fs = node.fs
         rows = [row_at(fs, f"step_1/{n}") for n in ("model.pt", ".metadata")]
@@ -279,7 +279,7 @@ async def test_another_nodes_run_in_the_middle_of_a_restore_does_not_undo_it(
         other = Retention(retention.policy, {
             "warm": MemoryTier("warm", store.url, f"ret-archive-{id(tmp_path)}"),
             "cold": tiers["cold"]}, markers=MARKERS, node="b")
-        runs = []
+        runs: list[RunResult] = []
         real_promote = node.tier.promote
 
         async def promote_then_other_node_runs(key: str) -> None:
@@ -291,7 +291,7 @@ async def test_another_nodes_run_in_the_middle_of_a_restore_does_not_undo_it(
         await restore(node.fs, row_at(node.fs, "step_1"), days=1, local=False,
                       report=no_report, poll_interval=60)
         assert runs and not [a for a in runs[0].done if a.checkpoint == "step_1"], runs
-        assert set(classes(store)[k] for k in ("step_1/model.pt", "step_1/.metadata")) == \
+        assert {classes(store)[k] for k in ("step_1/model.pt", "step_1/.metadata")} == \
             {"STANDARD"}
         again = await other.run_once()
         assert not [a for a in again.done if a.checkpoint == "step_1"], again.done

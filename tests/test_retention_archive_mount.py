@@ -110,7 +110,8 @@ def test_retention_keeps_a_restored_checkpoint_where_restore_put_it(
            "--timeout", "60")
     assert a.state("step_1/model.pt") == "committed"
     result = apply(a)
-    assert not [d for d in result["done"] if d["checkpoint"] == "step_1"], result  # type: ignore[union-attr]
+    done: list[dict[str, object]] = result["done"]  # type: ignore[assignment]
+    assert not [d for d in done if d["checkpoint"] == "step_1"], result
     assert storage_class(bucket, "step_1/model.pt") == "STANDARD"
     assert a.state("step_1/model.pt") == "committed"
     assert (a.path / "step_1" / "model.pt").read_bytes() == bodies["step_1/model.pt"]

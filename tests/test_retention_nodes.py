@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -392,7 +393,7 @@ async def test_lease_is_renewed_while_applying_and_released_after(
     # Taken (after the first listings), then renewed every 10 s until the run ends.
     first = writes[0][0] - started
     assert len(writes) >= int((took - first) // 10), (len(writes), took, writes)
-    assert all(b - a <= 10.0 + 1e-6 for (a, _), (b, _) in zip(writes, writes[1:])), writes
+    assert all(b - a <= 10.0 + 1e-6 for (a, _), (b, _) in itertools.pairwise(writes)), writes
     assert all('"holder": "a"' in body for _, body in writes)
     assert LEASE_KEY not in inner.objects  # released
 

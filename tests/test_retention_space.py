@@ -26,7 +26,6 @@ from tests.mounting import Mounter, ckptfs, status, sync, wait_for
 from tests.test_retention_nodes import MARKERS, local_node, memory_tiers
 from tests.test_retention_sim import write
 
-
 MiB = 1024 * 1024
 
 
