@@ -30,7 +30,19 @@ Tiers that share one location (``s3://b/p`` and ``s3://b/p?storage_class=GLACIER
 copy per key: a checkpoint several of them select is kept in the warmest of them (it serves
 the colder ones' purpose too), and moving it to a colder one is an in-place storage-class
 transition. Leaving an archive class (GLACIER, DEEP_ARCHIVE) needs a restore first: such a
-step is planned but marked blocked.
+step is planned but marked blocked. A transition cut short (files in both classes, no tier
+holding it whole) is completed from the location (``Checkpoint.spread``), never removed.
+
+Besides the rules:
+- a restore pin (pins.py) makes a tier keep what ``ckptfs restore`` put there until it
+  expires; the pins are read after the objects are listed, so a run that sees a restored
+  object sees its pin;
+- a checkpoint without a marker may settle (checkpoints.settle: a single writer, every file
+  committed, a later checkpoint or ``checkpoint_settle`` of quiet); with another node
+  registered it never does;
+- the journal learns the storage class of this node's files on the warm tier's prefix from
+  every transition it verifies and from every run's listing (an evicted file in an archive
+  class reads ``archived``): only a row still pointing at that object with the same bytes.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import trio
 import trio.testing
 
 from ckptfs.config import Config
-from ckptfs.errors import NeedsRestore
+from ckptfs.errors import NeedsRestore, StoreUnavailable
 from ckptfs.fs import Filesystem, state_label
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.pins import pin_in_store
@@ -310,3 +310,46 @@ async def test_a_pin_without_its_restore_shows_blocked(
         assert [(a.kind, a.tier) for a in result.blocked if a.checkpoint == "step_1"] == \
             [("copy", "warm")]
         assert classes(tiers["warm"])["step_1/model.pt"] == "GLACIER"
+
+
+async def test_a_restore_cut_short_by_a_store_error_is_neither_undone_nor_lost(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """The second promote of a restore fails (the store is down for a moment): the restore
+    reports the error with step_1 half in STANDARD, half in GLACIER. A retention run then
+    copies nothing back to GLACIER and removes nothing (the pin wants warm, the rest can
+    only come from the archive: blocked); the restore run again completes it."""
+    async with archive_node(tmp_path) as (node, retention, tiers):
+        await write_steps(node, range(1, 4))
+        await retention.run_once()
+        tier = node.tier
+        real_promote = tier.promote
+        promoted: list[str] = []
+
+        async def second_fails(key: str) -> None:
+            if len(promoted) == 1:
+                promoted.append("failed")
+                tier.fail_next = 1
+            else:
+                promoted.append(key)
+            await real_promote(key)
+
+        tier.promote = second_fails  # type: ignore[method-assign]
+        with pytest.raises(StoreUnavailable):
+            await restore(node.fs, row_at(node.fs, "step_1"), days=1, local=False,
+                          report=no_report, poll_interval=60)
+        half = classes(tiers["warm"])
+        assert sorted(half[k] for k in ("step_1/model.pt", "step_1/.metadata")) == \
+            ["GLACIER", "STANDARD"]
+        result = await retention.run_once()
+        assert not [a for a in result.done if a.checkpoint == "step_1"], result.done
+        assert [(a.kind, a.tier) for a in result.blocked if a.checkpoint == "step_1"] == \
+            [("copy", "warm")]
+        assert classes(tiers["warm"]) == half  # nothing moved, nothing deleted
+        tier.promote = real_promote  # type: ignore[method-assign]
+        await restore(node.fs, row_at(node.fs, "step_1"), days=1, local=False,
+                      report=no_report, poll_interval=60)
+        assert {classes(tiers["warm"])[k] for k in ("step_1/model.pt", "step_1/.metadata")} \
+            == {"STANDARD"}
+        again = await retention.run_once()
+        assert not [a for a in again.done if a.checkpoint == "step_1"], again.done
+        assert not [a for a in again.blocked if a.checkpoint == "step_1"], again.blocked
