@@ -78,8 +78,10 @@ async def _offline(config: Config, apply: bool) -> dict[str, Any]:
         journal = Journal(config.staging_dir / JOURNAL_NAME)
         fs = Filesystem(journal, staging, unlink_remote=config.unlink == "posix")
     # Applying from here is one more node applying the policy: under the lease too, as the
-    # staging directory's node (or a one-off id when there is no staging directory).
-    node = _node_id(config) if apply else None
+    # staging directory's node (or a one-off id when there is no staging directory). The
+    # plan needs the id too: this node's own registration is not another writer (the
+    # settle rule, checkpoints.settle).
+    node = _node_id(config)
     retention = await Retention.open(config, fs=fs, node=node)
     try:
         done = (await retention.run_once()).as_dict() if apply else {}

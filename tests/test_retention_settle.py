@@ -170,3 +170,40 @@ keep = {{ last = 2 }}
         ["step_2", "step_3", "step_4"]
     table = ckptfs("ls-tiers", m.path, env={**os.environ, "COLUMNS": "300"}).stdout
     assert "no commit marker; complete: a later checkpoint exists" in table, table
+
+
+def test_offline_plan_does_not_count_this_staging_directory_as_another_writer(
+        tmp_path: Path) -> None:
+    """``ckptfs retention --plan --config`` without a daemon: the staging directory's node is
+    still registered (an unmount that left files behind keeps it so); it is this node, not
+    another writer, so marker-less checkpoints settle as they do in the daemon."""
+    from ckptfs.retention_cli import gather
+
+    store = tmp_path / "store"
+    for step in (1, 2, 3):
+        (store / f"step_{step}").mkdir(parents=True)
+        (store / f"step_{step}" / "model.pt").write_bytes(b"w" * step)
+        os.utime(store / f"step_{step}" / "model.pt", (1_700_000_000 + step,) * 2)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"""
+node_id = "this-node"
+staging_dir = "{tmp_path / 'staging'}"
+
+[[tier]]
+name = "hot"
+keep = {{ last = 1 }}
+
+[[tier]]
+name = "warm"
+url = "file://{store}"
+keep = {{ last = 1 }}
+""")
+    (store / ".ckptfs" / "nodes").mkdir(parents=True)
+    (store / ".ckptfs" / "nodes" / "this-node").write_text("{}")
+    plan = {(a["kind"], a["checkpoint"]) for a in gather(None, cfg, apply=False)["plan"]}
+    assert plan == {("delete", "step_1"), ("delete", "step_2")}, plan
+    (store / ".ckptfs" / "nodes" / "node-b").write_text("{}")
+    report = gather(None, cfg, apply=False)
+    assert report["plan"] == []
+    notes = {r["name"]: r["note"] for r in report["checkpoints"]}
+    assert "other nodes write to the store (node-b)" in notes["step_1"]
