@@ -40,6 +40,7 @@ from ckptfs.errors import (
     NotPermitted,
     ObjectGone,
     StagingFull,
+    StoreRefused,
     StoreUnavailable,
     Unsupported,
 )
@@ -765,7 +766,13 @@ class Filesystem:
             try:
                 await self.fetcher.ensure(row, offset, wanted)
             except ObjectArchived:
-                await self._archived_since(row)
+                try:
+                    await self._archived_since(row)
+                except NeedsRestore as exc:
+                    # EIO, not EAGAIN: from read(2), EAGAIN reads as "no data yet" (Python's
+                    # read() returns None, and torch.load fails far from the cause). The
+                    # next open fails with EAGAIN, as for any archived file.
+                    raise StoreRefused(str(exc)) from None
                 raise
             if row.state is not State.REMOTE:
                 continue  # truncated or completed meanwhile: look at it again
@@ -1028,9 +1035,9 @@ class Filesystem:
     async def _archived_since(self, row: Row) -> None:
         """A read found the object in an archive class the journal did not know of (moved
         after this node last listed it: a bucket lifecycle rule, another node's retention).
-        The journal learns the class, and the read fails as the open of an archived file
-        does (EAGAIN, a restore requested, the log naming `ckptfs restore`); returns only
-        if the object is readable again (the caller re-raises)."""
+        The journal learns the class, a restore is requested and the log names
+        `ckptfs restore` (``NeedsRestore``, as at the open of an archived file); returns
+        only if the object is readable again (the caller re-raises)."""
         assert self.fetcher is not None and row.remote_key is not None
         info = await self.fetcher.tier.head(row.remote_key)
         if info.storage_class in ARCHIVE_CLASSES and row.storage_class != info.storage_class \

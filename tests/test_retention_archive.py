@@ -21,7 +21,7 @@ import trio
 import trio.testing
 
 from ckptfs.config import Config
-from ckptfs.errors import NeedsRestore, StoreUnavailable
+from ckptfs.errors import NeedsRestore, StoreRefused, StoreUnavailable
 from ckptfs.fs import Filesystem, state_label
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.pins import pin_in_store
@@ -162,11 +162,12 @@ async def test_a_transition_the_journal_missed_is_learnt_by_the_next_run(
 
 
 async def test_a_class_changed_behind_the_node_is_learnt_by_listing_and_by_reads(
-        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+        tmp_path: Path, autojump_clock: trio.testing.MockClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Another node's retention (or a lifecycle rule) moved objects in place: same tag, new
     class. A listing of the directory teaches the journal; a read that meets the archived
     object before any listing fails like an open of an archived file (EAGAIN naming
-    ``ckptfs restore``, a restore requested) and teaches it too."""
+    ``ckptfs restore``, a restore requested; EIO from the read itself) and teaches it too."""
     async with archive_node(tmp_path) as (node, _, tiers):
         await write_steps(node, range(1, 3))
         fs = node.fs
@@ -186,13 +187,18 @@ async def test_a_class_changed_behind_the_node_is_learnt_by_listing_and_by_reads
         fs.evict(two)
         two.storage_class = None  # as if no listing had run since the transition
         fs.ns.persist(two)
+        # The restore the read requests takes a while.
+        monkeypatch.setattr(MemoryTier, "restore_delay", 3600.0)
         fh = await fs.open(two.ino, os.O_RDONLY)
         try:
-            with pytest.raises(NeedsRestore, match="ckptfs restore"):
+            # EIO from read(2) (EAGAIN would read as "no data yet"), naming the command.
+            with pytest.raises(StoreRefused, match="ckptfs restore"):
                 await fs.read(fh, 0, 4096)
         finally:
             fs.release(fh)
         assert row_at(fs, "step_2/model.pt").storage_class == "GLACIER"
+        with pytest.raises(NeedsRestore, match="ckptfs restore"):  # the open: EAGAIN
+            await fs.open(two.ino, os.O_RDONLY)
         assert cold.objects["step_2/model.pt"].restored_at is not None  # restore requested
 
 

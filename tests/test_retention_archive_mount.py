@@ -7,6 +7,7 @@ GLACIER) keeps them all; retention runs only when asked (``ckptfs retention --ap
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -120,3 +121,32 @@ def test_retention_keeps_a_restored_checkpoint_where_restore_put_it(
     assert "warm: restored, pinned until" in rows["step_1"], table
     assert "hot: restored, pinned until" in rows["step_1"], table
     assert "pinned" not in rows["step_2"], table
+
+
+def test_restore_finds_files_archived_behind_the_node(
+        mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
+    """Item 1, the other way round: a lifecycle rule (or another node's retention) moved an
+    evicted file to GLACIER in place (same ETag). The node's ``restore`` lists the store
+    again and finds it, instead of ``nothing to restore``; a read before that logs what to
+    do (``ckptfs restore``), not a bare InvalidObjectState."""
+    a = mounter("a", config=bucket.config(tmp_path / "c.toml", metadata_ttl="1h"))
+    (a.path / "step_1").mkdir()
+    data = os.urandom(300 * 1024)
+    for name in ("model.pt", "other.pt"):
+        (a.path / "step_1" / name).write_bytes(data)
+    sync(a)
+    ckptfs("evict", a.path / "step_1")
+    for name in ("model.pt", "other.pt"):
+        key = PREFIX + "step_1/" + name
+        bucket.client.copy_object(Bucket=bucket.name, Key=key, StorageClass="GLACIER",
+                                  CopySource={"Bucket": bucket.name, "Key": key},
+                                  MetadataDirective="COPY")
+    # moto thaws at once: the read may succeed on the kernel's retry, but the first one met
+    # the archive and said what to do (the core tests check the errno: tests/
+    # test_retention_archive.py).
+    with contextlib.suppress(OSError):
+        (a.path / "step_1" / "other.pt").read_bytes()
+    assert "run `ckptfs restore" in daemon_log(a)
+    done = ckptfs("restore", a.path / "step_1", "--poll-interval", "0.2", "--timeout", "60")
+    assert "restored 2 files" in done.stdout, done.stdout
+    assert (a.path / "step_1" / "model.pt").read_bytes() == data
