@@ -20,6 +20,11 @@ file is its own marker (an object appears whole). Without a marker it is ``"no m
 retention leaves it alone: never counted as the newest or among the last N, never copied,
 evicted, removed or deleted (see docs/RETENTION.md: an abandoned one is removed by hand).
 Besides, a checkpoint with a file this node is writing or uploading is busy, as before.
+*Settling* (``settle``) relaxes the marker rule for a single writer (plain ``torch.save``
+into ``step_N/``): with no other node registered with the store, a checkpoint without a
+marker whose files are all committed is complete once a later checkpoint was written after
+it, or ``checkpoint_settle`` after its last file; each one still left alone carries a
+``note`` saying why and how to add a marker.
 
 A checkpoint's *time* is when its last file was committed to the warm tier (the journal's
 ``committed_at``), not the modification time of a remote copy: copying it to a colder tier
@@ -31,7 +36,9 @@ symlinks are not part of the test): a tier holds it when every file of the check
 with its size (and checksum, where the listing tells it). The files of a checkpoint are the
 objects the warmest tier that has any of it lists under it (other nodes write shards this
 journal never heard of) plus the journal's files, whose sizes win. Colder tiers are not
-merged in: a stale leftover there must not make the warmer copy look partial.
+merged in: a stale leftover there must not make the warmer copy look partial. Tiers that are
+storage classes of that tier's prefix are merged in (the same keys: one object per key), so
+that a checkpoint halfway through a transition or a restore is seen with all its files.
 
 ``build`` is pure (tests drive it directly); ``collect`` gathers its inputs from a live
 namespace and the tiers.
@@ -44,7 +51,7 @@ import os
 import re
 import stat
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ckptfs.journal import ROOT_INODE, Row, State
@@ -148,6 +155,7 @@ class RemoteFile:
     mtime: float | None = None  # from ckptfs metadata, when known
     storage_class: str = "STANDARD"
     restoring: bool = False
+    etag: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +177,18 @@ class Checkpoint:
     restoring: frozenset[str] = frozenset()  # tiers where a restore from archive is running
     files: tuple[tuple[str, int], ...] = ()  # (key, size) of every file
     in_use: bool = False  # a file is open: no eviction, no deletion
+    # Tiers sharing one location (storage classes of a prefix) that hold it only together:
+    # an in-place transition cut short left some files in one class, the rest in another.
+    # Each member is ``partial``; the location still has every file once (the planner
+    # completes the transition from them).
+    spread: frozenset[str] = frozenset()
+    # Restore pins (pins.py): (tier, until wall time); the tier keeps it until then.
+    pins: tuple[tuple[str, float], ...] = ()
+    # Without a marker: when its last file was written (the settle rule, ``settle``).
+    last_write: float | None = None
+    # Why retention leaves it alone, or why it takes it as complete without a marker
+    # (shown by ls-tiers and retention --plan).
+    note: str | None = None
 
     @property
     def is_pointer(self) -> bool:
@@ -196,6 +216,7 @@ def build(
     progress: Mapping[str, float] | None = None,
     detector: Detector | None = None,
     markers: Sequence[str] | None = None,
+    locations: Mapping[str, str] | None = None,
 ) -> list[Checkpoint]:
     """Checkpoints from the journal's files and each remote tier's files, oldest step first.
 
@@ -203,7 +224,8 @@ def build(
     the journal has (a checkpoint directory with no file yet counts as being written);
     ``progress`` gives bytes already sent of each uploading file (by key). ``detector``
     (default: the legacy top-level rule with ``step_regex``) groups keys into checkpoints;
-    with ``markers`` (``commit_markers``), a checkpoint with no marker object is not complete.
+    with ``markers`` (``commit_markers``), a checkpoint with no marker object is not complete;
+    ``locations`` (tier -> location) tells which tiers are classes of one prefix (``spread``).
     """
     if detector is None:
         detector = Detector.from_pattern(step_regex=step_regex)
@@ -229,14 +251,16 @@ def build(
             acc_of(r.key).remote.setdefault(tier, []).append(r)
     result = []
     for name, acc in accs.items():
-        result.append(_checkpoint(name, steps[name], acc, tier_order, progress, markers))
+        result.append(_checkpoint(name, steps[name], acc, tier_order, progress, markers,
+                                  locations or {}))
     result.sort(key=lambda c: (c.step is None, c.step if c.step is not None else 0,
                                c.time or 0.0, c.name))
     return result
 
 
 def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str],
-                progress: Mapping[str, float], markers: Sequence[str] | None) -> Checkpoint:
+                progress: Mapping[str, float], markers: Sequence[str] | None,
+                locations: Mapping[str, str]) -> Checkpoint:
     by_tier = {t: {r.key: r for r in files} for t, files in acc.remote.items()}
     busy: str | None = None
     checksums: dict[str, str | None] = {}
@@ -244,10 +268,16 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
     # nodes wrote) plus the journal's own files, which override (this node knows them best).
     # Colder tiers are not merged in: a stale leftover there must not make the warm copy
     # look partial.
+    # Tiers that are classes of one prefix share their keys (one object per key): their
+    # listings together are that location's, e.g. halfway through an in-place transition
+    # or a restore, some objects are in one class and the rest in another.
     files: dict[str, int] = {}
     for tier in tier_order:
         if by_tier.get(tier):
-            files = {key: r.size for key, r in by_tier[tier].items()}
+            where = locations.get(tier)
+            for member in tier_order:
+                if member == tier or (where is not None and locations.get(member) == where):
+                    files.update({key: r.size for key, r in by_tier.get(member, {}).items()})
             break
     if acc.has_entry:
         files.update({f.key: f.size for f in acc.local})
@@ -265,13 +295,15 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
             if busy is None else None
     else:
         time = None
-    if busy is None and step is not None and markers is not None \
-            and not _has_marker(name, files, acc, by_tier, markers):
-        busy = "no marker"
-        time = None
+    no_marker = busy is None and step is not None and markers is not None \
+        and not _has_marker(name, files, acc, by_tier, markers)
     if time is None and busy is None:
         mtimes = [r.mtime for t in by_tier.values() for r in t.values() if r.mtime is not None]
         time = max(mtimes) if mtimes else None
+    last_write = None
+    if no_marker:
+        busy = "no marker"
+        last_write, time = time, None  # for the settle rule (``settle``)
     held, partial, restoring = set(), set(), set()
     for tier in tier_order:
         if tier == HOT:
@@ -288,12 +320,21 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
             continue
         if any(r.restoring for r in present.values()):
             restoring.add(tier)
-        whole = bool(files) and all(
-            key in present and present[key].size == size
-            and (checksums.get(key) is None or present[key].checksum is None
-                 or present[key].checksum == checksums[key])
-            for key, size in files.items())
-        (held if whole else partial).add(tier)
+        (held if _whole(files, present, checksums) else partial).add(tier)
+    spread: set[str] = set()
+    by_location: dict[str, list[str]] = {}
+    for tier in partial:
+        if tier in locations:
+            by_location.setdefault(locations[tier], []).append(tier)
+    for location, members in by_location.items():
+        if len(members) < 2 or any(t in held for t in tier_order
+                                   if locations.get(t) == location):
+            continue
+        union: dict[str, RemoteFile] = {}
+        for tier in members:
+            union.update(by_tier.get(tier, {}))
+        if _whole(files, union, checksums):
+            spread.update(members)
     fraction = None
     if busy == "uploading":
         total = sum(f.size for f in acc.local) or 1
@@ -304,8 +345,88 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
         name=name, step=step, time=time, size=sum(files.values()), busy=busy,
         held=frozenset(held), partial=frozenset(partial), progress=fraction,
         restoring=frozenset(restoring), files=tuple(sorted(files.items())),
-        in_use=any(f.open for f in acc.local),
+        in_use=any(f.open for f in acc.local), spread=frozenset(spread),
+        last_write=last_write,
     )
+
+
+def _whole(files: Mapping[str, int], present: Mapping[str, RemoteFile],
+           checksums: Mapping[str, str | None]) -> bool:
+    """Every file is in ``present`` with its size (and checksum, where both are known)."""
+    return bool(files) and all(
+        key in present and present[key].size == size
+        and (checksums.get(key) is None or present[key].checksum is None
+             or present[key].checksum == checksums[key])
+        for key, size in files.items())
+
+
+MARKER_HINT = ("to mark a checkpoint complete, have the job write a file named COMMITTED "
+               "into it after its last file, or add the name of the file it writes last to "
+               "commit_markers")
+
+
+def settle(checkpoints: Sequence[Checkpoint], *, after: float, now: float,
+           other_writers: Sequence[str] = ()) -> list[Checkpoint]:
+    """The settle rule for checkpoints without a commit marker (plain ``torch.save`` into
+    ``step_N/``): one is taken as complete when
+    - every file of it is committed (this node has nothing of it open, staged, uploading or
+      incomplete: checked before, or it would not be ``no marker``),
+    - no other node is registered with the store (``other_writers`` empty): another node's
+      shards may still be on their way, which only a marker can rule out, and
+    - a later checkpoint (a higher step in the same directory, written after this one's
+      last file) exists (the writer moved on), or nothing was written to it for ``after``
+      seconds (0: never by time; a negative ``after`` turns the rule off).
+    Each checkpoint still left alone gets a ``note`` saying why and how to add a marker."""
+    # Per directory: (step, when it was last written) of each checkpoint. A later one must
+    # have been written after this one's last file: a higher step left by an earlier run
+    # (training resumed from an older checkpoint) says nothing about this one.
+    written: dict[str, list[tuple[int, float]]] = {}
+    for c in checkpoints:
+        when = c.time if c.time is not None else c.last_write
+        if c.busy in ("writing", "uploading"):
+            when = now  # being written here now
+        if c.step is not None and when is not None:
+            written.setdefault(c.name.rpartition("/")[0], []).append((c.step, when))
+    out = []
+    for c in checkpoints:
+        if c.busy != "no marker" or c.step is None:
+            out.append(c)
+            continue
+        last = c.last_write
+        next_exists = last is not None and any(
+            step > c.step and when > last
+            for step, when in written.get(c.name.rpartition("/")[0], []))
+        quiet = c.last_write is not None and after > 0 and now - c.last_write >= after
+        if after < 0:
+            note = f"no commit marker (checkpoint_settle is off): {MARKER_HINT}"
+        elif other_writers:
+            names = ", ".join(sorted(other_writers)[:3])
+            more = len(other_writers) - 3
+            note = (f"no commit marker, and other nodes write to the store ({names}"
+                    f"{f' and {more} more' if more > 0 else ''}): their files may still be "
+                    f"on their way; {MARKER_HINT}")
+        elif next_exists or quiet:
+            why = "a later checkpoint exists" if next_exists else \
+                f"nothing written to it for {_span(after)}"
+            out.append(replace(c, busy=None, time=c.last_write,
+                               note=f"no commit marker; complete: {why}"))
+            continue
+        else:
+            left = "" if c.last_write is None or after <= 0 else \
+                f" ({_span(max(0.0, after - (now - c.last_write)))} left)"
+            note = ("no commit marker: complete once a later checkpoint exists"
+                    + (f" or {_span(after)} after its last file{left}" if after > 0 else "")
+                    + f"; {MARKER_HINT}")
+        out.append(replace(c, note=note))
+    return out
+
+
+def _span(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}" if seconds % size == 0 or seconds >= 10 * size \
+                else f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def _has_marker(name: str, files: Mapping[str, int], acc: _Acc,

@@ -337,9 +337,12 @@ def evict(
 def restore(
     path: Annotated[Path, typer.Argument(help="A file or directory on a ckptfs mount.")],
     days: Annotated[int, typer.Option(min=1, help="How long the store keeps the temporary "
-                                      "restored copy (it is also copied to the warm tier).")] = 1,
+                                      "restored copy (it is also copied to the warm tier), "
+                                      "and retention keeps the checkpoint there (a pin, "
+                                      "shown by ls-tiers).")] = 1,
     local: Annotated[bool, typer.Option(
-        "--local", help="Also fetch the restored files to the local NVMe.")] = False,
+        "--local", help="Also fetch the restored files to the local NVMe (pinned there for "
+        "--days too).")] = False,
     poll_interval: Annotated[float, typer.Option(
         min=0.01, help="Seconds between checks of the store.", callback=_seconds)] = 30.0,
     timeout: Annotated[float | None, typer.Option(

@@ -93,6 +93,19 @@ def _short(value: Any, limit: int = 40) -> str:
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
 
+def parse_settle(value: Any) -> timedelta | None:
+    """``checkpoint_settle``: a duration, or "off" (None)."""
+    if value is None or value == "off":
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or 'off')") from None
+
+
+SettleTime = Annotated[timedelta | None, BeforeValidator(parse_settle)]
+
+
 class _Strict(BaseModel):
     # No inf or nan in any float (TOML has both): a ratio, cost or milestone that is not a
     # number would fail later, far from its key, or never compare as intended.
@@ -247,6 +260,10 @@ class Config(_Strict):
     # apply the policy: this long from each renewal. Wall clocks of the nodes are compared:
     # their skew must be far below a third of it (docs/RETENTION.md, "Several nodes").
     retention_lease: Duration = timedelta(minutes=10)
+    # A checkpoint without a commit marker is taken as complete once a later one exists, or
+    # this long after its last file, if no other node writes to the store; 0: only the
+    # later-checkpoint rule; "off": a marker is required (docs/RETENTION.md).
+    checkpoint_settle: SettleTime = timedelta(minutes=10)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fuse_workers: int = Field(default=64, ge=1, le=1024)
     # Prometheus endpoint (metrics.py): off unless a port is given.

@@ -40,6 +40,7 @@ from ckptfs.errors import (
     NotPermitted,
     ObjectGone,
     StagingFull,
+    StoreRefused,
     StoreUnavailable,
     Unsupported,
 )
@@ -51,7 +52,7 @@ from ckptfs.listing import Lister
 from ckptfs.namespace import Namespace
 from ckptfs.noderun import boot_id, page_cache_lost
 from ckptfs.staging import SpaceBudget, Staging
-from ckptfs.tiers.base import ARCHIVE_CLASSES
+from ckptfs.tiers.base import ARCHIVE_CLASSES, ObjectArchived
 
 if TYPE_CHECKING:
     from ckptfs.tiers.base import Tier
@@ -340,8 +341,10 @@ class Filesystem:
                 self.fetcher.drop(row.ino)  # fetched ranges, if any
             else:
                 self.staging.unlink(row.ino)
-        else:
-            self.staging.unlink(row.ino)
+        elif self.staging.unlink(row.ino):
+            # Only if the data was still there: a removed inode is dropped again when its last
+            # reference goes (a handle closed, then the kernel's forget), and its space must
+            # be given back once (else the staging usage drifts below what the disk holds).
             self.space.give_back(row.size)
 
     def _upload_again(self, row: Row) -> None:
@@ -760,7 +763,17 @@ class Filesystem:
             wanted = max(0, min(size, row.size - offset))  # the journal's size is the file's
             if row.state is not State.REMOTE or self.fetcher is None:
                 break
-            await self.fetcher.ensure(row, offset, wanted)
+            try:
+                await self.fetcher.ensure(row, offset, wanted)
+            except ObjectArchived:
+                try:
+                    await self._archived_since(row)
+                except NeedsRestore as exc:
+                    # EIO, not EAGAIN: from read(2), EAGAIN reads as "no data yet" (Python's
+                    # read() returns None, and torch.load fails far from the cause). The
+                    # next open fails with EAGAIN, as for any archived file.
+                    raise StoreRefused(str(exc)) from None
+                raise
             if row.state is not State.REMOTE:
                 continue  # truncated or completed meanwhile: look at it again
             if self.fetcher.covers(row, offset, wanted):
@@ -1023,6 +1036,20 @@ class Filesystem:
         row.size = 0
         row.state = State.COMMITTED  # local and empty; the caller starts the new version
         self.ns.persist(row)
+
+    async def _archived_since(self, row: Row) -> None:
+        """A read found the object in an archive class the journal did not know of (moved
+        after this node last listed it: a bucket lifecycle rule, another node's retention).
+        The journal learns the class, a restore is requested and the log names
+        `ckptfs restore` (``NeedsRestore``, as at the open of an archived file); returns
+        only if the object is readable again (the caller re-raises)."""
+        assert self.fetcher is not None and row.remote_key is not None
+        info = await self.fetcher.tier.head(row.remote_key)
+        if info.storage_class in ARCHIVE_CLASSES and row.storage_class != info.storage_class \
+                and row.state is State.REMOTE:
+            row.storage_class = info.storage_class
+            self.ns.persist(row)
+        await self._check_archived(row)
 
     async def _check_archived(self, row: Row) -> None:
         """A file only in an archive storage class cannot be read until it is restored:

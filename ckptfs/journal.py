@@ -452,6 +452,19 @@ class Journal:
         fetched = self._db.execute("SELECT COALESCE(SUM(stop - start), 0) FROM ranges").fetchone()
         return int(found[0]) + int(fetched[0])
 
+    # -- small named values of this node (``meta``; e.g. restore pins, pins.py) ------------
+
+    def set_value(self, key: str, value: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def values_under(self, prefix: str) -> dict[str, str]:
+        rows = self._db.execute("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?",
+                                (len(prefix), prefix)).fetchall()
+        return {str(k): str(v) for k, v in rows}
+
+    def drop_value(self, key: str) -> None:
+        self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
+
     # -- fetched ranges of files not wholly local -------------------------------------------
 
     def ranges(self, ino: int) -> list[tuple[int, int]]:

@@ -387,12 +387,18 @@ class Lister:
         self.journal.insert(row)
 
     def _maybe_update(self, row: Row, info: ObjectInfo) -> None:
+        archived = info.storage_class if info.storage_class in ARCHIVE_CLASSES else None
         if info.etag is not None and info.etag == row.remote_etag:
+            # The same object, but maybe not in the same class: a storage-class transition
+            # (retention's in-place copy, on any node, or a bucket lifecycle rule) keeps the
+            # ETag of a single-part object. The class decides whether it can be read.
+            if row.storage_class != archived:
+                row.storage_class = archived
+                self.ns.persist(row)
             return
         if not info.meta_known:
             return  # changed, but its metadata could not be read: the next listing decides
         meta = info.meta
-        archived = info.storage_class if info.storage_class in ARCHIVE_CLASSES else None
         if info.size == row.size and meta.checksum is not None and meta.checksum == row.checksum:
             # Same data (our own upload, or a copy): remember the tag and storage class.
             if (row.remote_etag, row.storage_class) != (info.etag, archived):

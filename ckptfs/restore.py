@@ -7,15 +7,23 @@ the object onto itself in the warm tier's storage class (a server-side copy that
 metadata and checksums), so it stays readable after the temporary copy expires. With
 ``local``, the file is also fetched whole to NVMe.
 
-Invariants: the journal learns the new storage class only after the store has it; a file
-that is not archived is left alone (restoring twice is harmless); errors name the file.
+The restored checkpoints are then *pinned* (pins.py) for ``days``: retention keeps them in
+the warm tier (and, with ``local``, on this node's NVMe) instead of moving them back to the
+archive at its next run.
+
+Invariants: the journal learns the new storage class only after the store has it; the pin
+is written before the first object leaves the archive class (a retention run that sees a
+restored object sees its pin); a file that is not archived is left alone (restoring twice is
+harmless, and extends the pin); errors name the file.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +33,7 @@ import trio
 from ckptfs.errors import InvalidArgument, NotFound
 from ckptfs.fs import Filesystem
 from ckptfs.journal import Row, State
+from ckptfs.pins import pin_here, pin_in_store
 from ckptfs.tiers.base import ARCHIVE_CLASSES
 
 log = logging.getLogger(__name__)
@@ -48,8 +57,13 @@ class RestoreProgress:
 
 async def archived_files(fs: Filesystem, row: Row) -> list[Row]:
     """The files at or under ``row`` whose only copy is in an archive storage class."""
+    # The classes as the store has them now: another node's retention (or a lifecycle rule)
+    # may have moved objects since the last listing.
     if fs.lister is not None and stat.S_ISDIR(row.mode):
-        await fs.lister.refresh_tree(row)
+        await fs.lister.refresh_tree(row, current=True)
+    elif fs.lister is not None and row.parent is not None:
+        await fs.lister.refresh(fs.ns.get(row.parent), wait=math.inf, current=True)
+        row = fs.ns.get(row.ino)
     inos = [row.ino, *fs.journal.descendants(row.ino)] if stat.S_ISDIR(row.mode) else [row.ino]
     found = []
     for ino in inos:
@@ -70,6 +84,8 @@ async def restore(
     files = await archived_files(fs, row)
     progress = RestoreProgress(files=len(files), bytes=sum(f.size for f in files))
     pending: dict[int, Row] = {f.ino: f for f in files}
+    path = os.fsdecode(fs.journal.path_of(row.ino) or b"")
+    pinned = False
     for each in files:
         assert each.remote_key is not None
         info = await tier.head(each.remote_key)
@@ -85,6 +101,13 @@ async def restore(
             info = await tier.head(key)
             if info.archived:
                 continue  # the store is still thawing it
+            if not pinned:
+                # Before the first promote: retention must not move it back meanwhile.
+                until = time.time() + days * 86400
+                await pin_in_store(tier, path, until)
+                if local:
+                    pin_here(fs.journal, path, until)
+                pinned = True
             if info.storage_class in ARCHIVE_CLASSES:
                 await tier.promote(key)  # keep it readable after the restore expires
             del pending[ino]

@@ -30,7 +30,19 @@ Tiers that share one location (``s3://b/p`` and ``s3://b/p?storage_class=GLACIER
 copy per key: a checkpoint several of them select is kept in the warmest of them (it serves
 the colder ones' purpose too), and moving it to a colder one is an in-place storage-class
 transition. Leaving an archive class (GLACIER, DEEP_ARCHIVE) needs a restore first: such a
-step is planned but marked blocked.
+step is planned but marked blocked. A transition cut short (files in both classes, no tier
+holding it whole) is completed from the location (``Checkpoint.spread``), never removed.
+
+Besides the rules:
+- a restore pin (pins.py) makes a tier keep what ``ckptfs restore`` put there until it
+  expires; the pins are read after the objects are listed, so a run that sees a restored
+  object sees its pin;
+- a checkpoint without a marker may settle (checkpoints.settle: a single writer, every file
+  committed, a later checkpoint or ``checkpoint_settle`` of quiet); with another node
+  registered it never does;
+- the journal learns the storage class of this node's files on the warm tier's prefix from
+  every transition it verifies and from every run's listing (an evicted file in an archive
+  class reads ``archived``): only a row still pointing at that object with the same bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -59,12 +71,14 @@ from ckptfs.checkpoints import (
     build,
     is_marker_key,
     journal_files,
+    settle,
 )
 from ckptfs.config import Config, KeepRules, TierConfig
-from ckptfs.coordination import retired_key
+from ckptfs.coordination import NODES, retired_key
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.lease import Holder, Lease
+from ckptfs.pins import Pin, drop_local, local_pins, store_pins
 from ckptfs.tiers.base import CONTROL_PREFIX, Kind, ObjectInfo, ObjectMeta, Tier
 from ckptfs.tiers.transfer import CopyMismatch, copy_object, put_checked, verify
 
@@ -136,7 +150,9 @@ def tier_location(config: TierConfig) -> tuple[str, str, str]:
     if parts.scheme == "file":
         path = os.path.normpath(unquote(parts.path))
         return f"file:{path}", f"file:{path}", "STANDARD"
-    return f"memory:{parts.netloc}{parts.path}", "memory", "STANDARD"
+    # Memory tiers (tests) have storage classes as S3 does (tiers/memory.py).
+    cls = parse_qs(parts.query).get("storage_class", ["STANDARD"])[-1]
+    return f"memory:{parts.netloc}{parts.path}", "memory", cls
 
 
 # -- selection ---------------------------------------------------------------------------
@@ -204,6 +220,11 @@ def select(checkpoints: Sequence[Checkpoint], policy: Policy, now: float
                 if bucket not in buckets:
                     buckets.add(bucket)
                     chosen.setdefault(c.name, []).append(rule)
+        for c in checkpoints:
+            # A restore pin (pins.py): kept where `ckptfs restore` put it, like a rule.
+            until = max((u for tier, u in c.pins if tier == t.name and u > now), default=None)
+            if until is not None and c.step is not None:
+                chosen.setdefault(c.name, []).append(Pin("", until).describe())
         if keep.milestones and policy.total_steps:
             for fraction in keep.milestones:
                 target = fraction * policy.total_steps
@@ -259,8 +280,12 @@ def plan(checkpoints: Sequence[Checkpoint], policy: Policy, now: float) -> list[
     def source_for(c: Checkpoint, dst: str) -> tuple[str, str | None]:
         holders = [t for t in order if t in c.held]
         readable = [t for t in holders if t not in archived]
+        # Spread over classes of dst's location (a transition cut short): completed in
+        # place, each file from where it is (the copy skips files dst has).
+        spread = [t for t in order if t in c.spread and t != dst and loc[t] == loc[dst]
+                  and t not in archived]
         for pool in (
-            [t for t in readable if t != HOT and loc[t] == loc[dst]],  # in-place transition
+            [t for t in readable if t != HOT and loc[t] == loc[dst]] + spread,  # in place
             [t for t in readable if t != HOT and group[t] == group[dst]],  # server-side
             [t for t in readable if t == HOT],  # local NVMe
             [t for t in readable if t != HOT],
@@ -275,6 +300,11 @@ def plan(checkpoints: Sequence[Checkpoint], policy: Policy, now: float) -> list[
             continue
         present = [t for t in remote if t in c.held or t in c.partial]
         holders = [t for t in remote if t in c.held]
+        if not holders and c.busy is None:
+            # No tier holds it whole, but the classes of one location do together (an
+            # in-place transition cut short): planned as held by them, so that the copy
+            # into the class that must hold it completes the transition.
+            holders = [t for t in remote if t in c.spread]
         if c.busy is not None or not holders:
             # Busy: not ours to touch. Complete but on no remote tier (its store copy was
             # lost): nothing is safe to do.
@@ -367,6 +397,11 @@ def report(checkpoints: Sequence[Checkpoint], policy: Policy, now: float,
             "state": "pointer" if c.step is None and c.busy is None else (c.busy or "complete"),
             "tiers": tiers, "kept_by": kept_by,
             "next": [a.describe() for a in by_ckpt.get(c.name, [])],
+            # Restore pins still in force: tier -> until (wall time).
+            "pinned": {t: max(u for p, u in c.pins if p == t)
+                       for t in sorted({p for p, u in c.pins if u > now})},
+            # Why it is left alone, or taken as complete without a marker (settle rule).
+            "note": c.note,
         })
     if tier_bytes is None:
         tier_bytes = {t: sum(c.size for c in checkpoints if t in c.held) for t in policy.names}
@@ -435,6 +470,8 @@ class Snapshot:
     remote: dict[str, list[RemoteFile]]  # tier -> its objects (files only)
     tier_bytes: dict[str, int]
     now: float
+    store_pins: list[Pin] = field(default_factory=list)  # expired ones too
+    local_pins: list[Pin] = field(default_factory=list)
 
 
 class Retention:
@@ -467,6 +504,7 @@ class Retention:
         upload_progress: Callable[[], Mapping[str, float]] | None = None,
         on_removed: Callable[[int, str], None] | None = None,
         node: str | None = None, lease_length: float = 600.0,
+        settle: float | None = None,
     ) -> None:
         self.policy = policy
         self.tiers = dict(tiers)
@@ -475,6 +513,8 @@ class Retention:
                 else DEFAULT_DETECTOR
         self.detector = detector
         self.markers = tuple(markers) if markers is not None else None
+        # ``checkpoint_settle`` in seconds (checkpoints.settle); None: a marker is required.
+        self.settle = settle
         self.node = node
         self.lease: Lease | None = None
         if node is not None:
@@ -505,11 +545,14 @@ class Retention:
         for t in self.policy.tiers:
             if t.name != HOT:
                 locations.setdefault(t.location, []).append(t)
-        for members in locations.values():
+        registered: set[str] = set()
+        for location, members in locations.items():
             infos = await self.tiers[members[0].name].list()
             for info in infos:
                 if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY:
                     continue
+                if info.key.startswith(NODES) and location == self._warm().location:
+                    registered.add(info.key[len(NODES):])
                 if info.key.startswith(CONTROL_PREFIX):
                     continue  # the nodes' shared state (lease, registrations): not data
                 owner = next((m for m in members if m.storage_class == info.storage_class),
@@ -521,14 +564,44 @@ class Retention:
                 remote[owner.name].append(RemoteFile(
                     info.key, info.size, meta.checksum if meta else None,
                     meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
-                    info.storage_class, info.restore_state == "ongoing"))
+                    info.storage_class, info.restore_state == "ongoing", info.etag))
+        # The pins after the objects (pins.py): a restored object listed above was promoted
+        # after its pin was written, so the pin is in this later listing.
+        warm_pins = await store_pins(self.tiers[self._warm().name])
+        here = local_pins(self.fs.journal) if self.fs is not None else []
         progress = dict(self.upload_progress()) if self.upload_progress else {}
         checkpoints = build(files, remote, step_regex="", detector=self.detector,
                             markers=self.markers, tier_order=self.policy.names,
-                            local_entries=names, progress=progress)
+                            local_entries=names, progress=progress,
+                            locations={t.name: t.location for t in self.policy.tiers})
+        checkpoints = settle(
+            checkpoints, after=-1.0 if self.settle is None else self.settle, now=now,
+            other_writers=sorted(registered - {self.node} if self.node else registered))
+        checkpoints = [self._pinned(c, warm_pins, here, now) for c in checkpoints]
         tier_bytes = {t: sum(r.size for r in remote[t]) for t in remote}
         tier_bytes[HOT] = sum(f.size for f in files if f.local)
-        return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now)
+        return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now,
+                        warm_pins, here)
+
+    def _pinned(self, c: Checkpoint, warm: Sequence[Pin], here: Sequence[Pin],
+                now: float) -> Checkpoint:
+        if c.step is None:
+            return c
+        pins = [(self._warm().name, p.until) for p in warm if p.until > now and p.covers(c.name)]
+        pins += [(HOT, p.until) for p in here if p.until > now and p.covers(c.name)]
+        return replace(c, pins=tuple(pins)) if pins else c
+
+    async def _prune_pins(self, state: Snapshot, shared: bool) -> None:
+        """Expired pins go: this node's journal rows always, the store's records only by
+        the lease holder (``shared``)."""
+        if self.fs is not None:
+            for pin in state.local_pins:
+                if pin.until <= state.now:
+                    drop_local(self.fs.journal, pin)
+        if shared:
+            for pin in state.store_pins:
+                if pin.until <= state.now and pin.key is not None:
+                    await self.tiers[self._warm().name].delete(pin.key)
 
     def _is_pointer(self, key: str) -> bool:
         return self.detector.locate(key)[1] is None
@@ -606,6 +679,8 @@ class Retention:
         here; True if anything else (copies, removals, deletions: shared state) is planned.
         A run with nothing shared to do thus writes nothing to the store."""
         state = await self.collect(now)
+        self._learn_classes(state)
+        await self._prune_pins(state, shared=False)
         actions = plan(state.checkpoints, self.policy, state.now)
         total.blocked = [a for a in actions if a.blocked is not None]
         runnable = [a for a in actions if a.blocked is None]
@@ -617,8 +692,11 @@ class Retention:
         return any(a.kind != "evict" for a in runnable)
 
     async def _rounds(self, total: RunResult, now: float | None) -> None:
-        for _ in range(MAX_ROUNDS):
+        for round_ in range(MAX_ROUNDS):
             state = await self.collect(now)
+            self._learn_classes(state)
+            if round_ == 0:
+                await self._prune_pins(state, shared=True)
             actions = plan(state.checkpoints, self.policy, state.now)
             runnable = [a for a in actions if a.blocked is None]
             total.blocked = [a for a in actions if a.blocked is not None]
@@ -694,13 +772,58 @@ class Retention:
                     checksum = (await src.head(key)).meta.checksum
                 await copy_object(src, dst, key, size, self._scratch(), checksum)
             try:
-                await verify(dst, key, size, checksum)
+                info = await verify(dst, key, size, checksum)
             except CopyMismatch:
                 # Not a copy anyone may rely on: gone, so that no later listing counts it
                 # (unless the copy was in place: then it is the only one).
                 if self.policy.tier(action.tier).location != self.policy.tier(action.source).location:
                     await dst.delete(key)
                 raise
+            if self.policy.tier(action.tier).location == self._warm().location:
+                self._learn_class(key, local, info)
+
+    def _learn_classes(self, state: Snapshot) -> None:
+        """Every run: the journal learns the storage class the warm prefix's listing shows
+        for this node's files. A transition whose journal update was lost (a crash after
+        the copy, a verification that failed transiently, another node's run, a lifecycle
+        rule) is caught up here even if nobody lists that directory through the mount."""
+        warm = self._warm().location
+        for t in self.policy.tiers:
+            if t.name == HOT or t.location != warm:
+                continue
+            for r in state.remote.get(t.name, []):
+                local = state.local.get(r.key)
+                if local is not None:
+                    self._learn_class(r.key, local, ObjectInfo(
+                        r.key, r.size, ObjectMeta(checksum=r.checksum), r.storage_class,
+                        etag=r.etag))
+
+    def _learn_class(self, key: str, local: LocalFile | None, info: ObjectInfo) -> None:
+        """The object at ``key`` on the warm tier's prefix is now in ``info``'s class (an
+        in-place transition, e.g. to GLACIER): the journal learns it at once, so that this
+        node says ``archived`` and asks for ``ckptfs restore`` instead of failing reads.
+
+        Only the row still pointing at that object with the same bytes learns it: one that
+        was rewritten meanwhile (a new version on its way, or uploaded since) is not about
+        this object. Anything missed here is caught by the next listing of its directory
+        (listing.py compares the class even when the ETag is unchanged)."""
+        if self.fs is None or local is None:
+            return
+        try:
+            row = self._row(local.ino)
+        except CkptfsError:
+            return  # removed meanwhile
+        same = (info.etag is not None and info.etag == row.remote_etag) or (
+            info.meta.checksum is not None and info.meta.checksum == row.checksum
+            and info.size == row.size)
+        if row.remote_key != key or not same \
+                or row.state not in (State.COMMITTED, State.REMOTE):
+            return
+        archived = info.storage_class if info.storage_class in ARCHIVE_CLASSES else None
+        if (row.storage_class, row.remote_etag) != (archived, info.etag or row.remote_etag):
+            row.storage_class = archived
+            row.remote_etag = info.etag or row.remote_etag
+            self.fs.ns.persist(row)
 
     def _scratch(self) -> Path:
         if self.scratch is not None:
@@ -871,7 +994,9 @@ class Retention:
                         markers=config.commit_markers,
                         fs=fs, scratch=config.staging_dir / "retention-tmp",
                         upload_progress=upload_progress, on_removed=on_removed, node=node,
-                        lease_length=config.retention_lease.total_seconds())
+                        lease_length=config.retention_lease.total_seconds(),
+                        settle=None if config.checkpoint_settle is None
+                        else config.checkpoint_settle.total_seconds())
         retention._owned = [t for t in tiers.values() if t is not warm]
         return retention
 

@@ -78,8 +78,10 @@ async def _offline(config: Config, apply: bool) -> dict[str, Any]:
         journal = Journal(config.staging_dir / JOURNAL_NAME)
         fs = Filesystem(journal, staging, unlink_remote=config.unlink == "posix")
     # Applying from here is one more node applying the policy: under the lease too, as the
-    # staging directory's node (or a one-off id when there is no staging directory).
-    node = _node_id(config) if apply else None
+    # staging directory's node (or a one-off id when there is no staging directory). The
+    # plan needs the id too: this node's own registration is not another writer (the
+    # settle rule, checkpoints.settle).
+    node = _node_id(config)
     retention = await Retention.open(config, fs=fs, node=node)
     try:
         done = (await retention.run_once()).as_dict() if apply else {}
@@ -155,7 +157,8 @@ def print_ls_tiers(report: dict[str, Any]) -> None:
         table.add_row(
             row["name"], "-" if row["step"] is None else str(row["step"]),
             human_bytes(row["size"]), human_age(row["age_s"]), *cells,
-            ", ".join(row["kept_by"]) or "-", "; ".join(row["next"]) or "-")
+            ", ".join(row["kept_by"]) or "-",
+            "; ".join(row["next"]) or _skipped(row) or "-")
     console.print(table)
     costs = Table(title="tiers", title_justify="left")
     for column, justify in (("tier", "left"), ("url", "left"), ("bytes", "right"),
@@ -169,7 +172,26 @@ def print_ls_tiers(report: dict[str, Any]) -> None:
     console.print(costs)
 
 
+def _skipped(row: dict[str, Any]) -> str | None:
+    """Why retention leaves a checkpoint alone (or takes it as complete without a marker)."""
+    note = row.get("note")
+    return str(note) if note else None
+
+
+def _print_skipped(report: dict[str, Any]) -> None:
+    """Checkpoints the policy cannot manage yet, and why: a checkpoint without a marker would
+    otherwise be missing from the plan without a word."""
+    for row in report.get("checkpoints", []):
+        if row.get("state") == "no marker" and row.get("note"):
+            print(f"skipped  {row['name']}: {row['note']}")
+
+
 def print_retention(report: dict[str, Any], applied: bool) -> None:
+    _print_plan(report, applied)
+    _print_skipped(report)
+
+
+def _print_plan(report: dict[str, Any], applied: bool) -> None:
     if applied and report.get("skipped"):
         for a in report.get("done", []):  # evictions of this node's NVMe copies need no lease
             print(f"done     {a['checkpoint']}: {a['text']}")

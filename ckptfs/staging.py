@@ -212,7 +212,9 @@ class Staging:
         else:
             os.fsync(fd)
 
-    def unlink(self, ino: int) -> None:
+    def unlink(self, ino: int) -> bool:
+        """Remove ``ino``'s data file; True if there was one (callers that account for its
+        space give it back only then: removing twice must not free twice)."""
         held = self._open.pop(ino, None)
         if held is not None:
             # Whoever holds it keeps writing to the old file; the next acquire gets a new one.
@@ -220,7 +222,8 @@ class Staging:
         try:
             os.unlink(self.path(ino))
         except FileNotFoundError:
-            pass
+            return False
+        return True
 
     def file_size(self, ino: int) -> int | None:
         try:

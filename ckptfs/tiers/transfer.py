@@ -42,7 +42,7 @@ import crc32c
 import trio
 
 from ckptfs.integrity import MIN_BLOCK, BlockSums, block_size_for, file_sums, format_crc
-from ckptfs.tiers.base import Kind, ObjectMeta, Tier, TierError
+from ckptfs.tiers.base import Kind, ObjectArchived, ObjectInfo, ObjectMeta, Tier, TierError
 
 STREAM_CHUNK = 64 * 1024 * 1024
 _SUM_CHUNK = 8 * 1024 * 1024
@@ -173,8 +173,11 @@ async def copy_object(src: Tier, dst: Tier, key: str, size: int, scratch: Path,
         obj = src.objects.get(key)
         if obj is None:
             await src.head(key)  # raises ObjectMissing
+        elif (await src.head(key)).archived:
+            raise ObjectArchived(f"{src.url}: InvalidObjectState: {key} is in "
+                                 f"{obj.storage_class}")
         else:
-            dst.objects[key] = dataclasses.replace(obj)
+            dst.place(key, obj)  # in the target's class (onto itself: a transition)
         return
     info = await src.head(key)
     meta = info.meta
@@ -238,10 +241,10 @@ async def _s3_copy(src: Any, dst: Any, key: str) -> None:
     await dst.copy_from(src.bucket, src._key(key), key)
 
 
-async def verify(dst: Tier, key: str, size: int, checksum: str | None) -> None:
+async def verify(dst: Tier, key: str, size: int, checksum: str | None) -> ObjectInfo:
     """Raise ``CopyMismatch`` unless ``dst`` holds ``key`` as expected: ``size`` bytes, the
     recorded ``checksum`` (a copy without one is rejected: its reads could not be verified),
-    the target's storage class."""
+    the target's storage class. Returns what the store said of it (class, ETag)."""
     info = await dst.head(key)
     if info.size != size:
         raise CopyMismatch(f"{dst.url}: {key} has {info.size} bytes, expected {size}")
@@ -252,3 +255,4 @@ async def verify(dst: Tier, key: str, size: int, checksum: str | None) -> None:
     if wanted != "STANDARD" and info.storage_class != wanted:
         raise CopyMismatch(f"{dst.url}: {key} is in storage class {info.storage_class}, "
                            f"expected {wanted}")
+    return info
