@@ -121,6 +121,8 @@ CREATE TABLE IF NOT EXISTS inodes (
     UNIQUE (parent, name)
 );
 CREATE INDEX IF NOT EXISTS inodes_remote_key ON inodes (remote_key);
+CREATE INDEX IF NOT EXISTS inodes_uploading_key ON inodes (uploading_key);
+CREATE INDEX IF NOT EXISTS inodes_state ON inodes (state);
 CREATE TABLE IF NOT EXISTS tombstones (
     id  INTEGER PRIMARY KEY AUTOINCREMENT,
     key TEXT NOT NULL
@@ -500,10 +502,16 @@ class Journal:
         A listing must not take such a key for a new entry: its holder may be moving away
         from it (a rename not yet carried to the store)."""
         found: dict[str, int] = {}
+        # A range, not substr(): the column's index answers it (a listing per directory would
+        # otherwise scan every row of a large journal).
+        upper = _prefix_end(prefix)
         for column in ("remote_key", "uploading_key"):
-            for key, ino in self._db.execute(
-                    f"SELECT {column}, ino FROM inodes WHERE parent IS NOT NULL AND"
-                    f" substr({column}, 1, ?) = ?", (len(prefix), prefix)):
+            query = (f"SELECT {column}, ino FROM inodes WHERE parent IS NOT NULL AND"
+                     f" {column} >= ?")
+            args: tuple[str, ...] = (prefix,)
+            if upper is not None:
+                query, args = query + f" AND {column} < ?", (prefix, upper)
+            for key, ino in self._db.execute(query, args):
                 found.setdefault(str(key), int(ino))
         return found
 
@@ -614,6 +622,20 @@ class Journal:
     def xattr_remove(self, ino: int, name: bytes) -> bool:
         cur = self._db.execute("DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
         return cur.rowcount > 0
+
+
+def _prefix_end(prefix: str) -> str | None:
+    """The least string above every string that starts with ``prefix`` (None: no bound).
+
+    SQLite compares TEXT as UTF-8 bytes, which orders as code points do, so the strings with
+    the prefix are exactly those in [prefix, _prefix_end(prefix))."""
+    while prefix:
+        last = ord(prefix[-1])
+        if last < 0x10FFFF:
+            nxt = last + 1 if not 0xD800 <= last + 1 <= 0xDFFF else 0xE000
+            return prefix[:-1] + chr(nxt)
+        prefix = prefix[:-1]
+    return None
 
 
 def _key(row: Row, path: bytes | None) -> str | None:
