@@ -5,7 +5,7 @@ edges; a path is derived from them (``path_of``) rather than stored, so renaming
 with 10,000 descendants is one row update. The checkpoint a file belongs to is the first
 component of that path.
 
-File states (DESIGN.md §3)::
+File states (their user-facing meaning: docs/SEMANTICS.md)::
 
     OPEN --close--> STAGED --upload starts--> UPLOADING --success--> COMMITTED --evict--> REMOTE
       ^ open for write (a new version) from any state; the old upload is cancelled

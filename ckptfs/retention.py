@@ -1,4 +1,4 @@
-"""Retention: which checkpoint lives in which tier (DESIGN.md §4, docs/RETENTION.md).
+"""Retention: which checkpoint lives in which tier (docs/RETENTION.md).
 
 Two parts:
 - ``plan(checkpoints, policy, now) -> [Action]`` is pure: it sees checkpoints (checkpoints.py)
