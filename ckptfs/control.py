@@ -57,6 +57,8 @@ RUN_DIR_MODE = 0o711
 SOCKET_MODE = 0o666
 # Requests a member of the mount root's group may make: they only read state, or wait.
 READ_ONLY_OPS = frozenset({"status", "ls-tiers", "sync"})
+# Files open for writing that ``status`` names (the count is always given).
+OPEN_LISTED = 20
 REQUEST_TIMEOUT = 2.0  # seconds to send the request line (the CLI sends it at connect)
 # Connections a group member's uid may hold at once (``sync`` waits, so they last): a local
 # user must not be able to take every descriptor of the daemon.
@@ -381,10 +383,11 @@ class ControlServer:
         window = [(t, n) for t, n in stats.recent if now - t < RATE_WINDOW]
         rate = sum(n for _, n in window) / RATE_WINDOW if window else 0.0
         pending_bytes = sum(size for _, size, _ in pending)
-        incomplete = [
-            os.fsdecode(self.fs.journal.path_of(r.ino) or b"?")
-            for r in self.fs.journal.rows_in_states(State.OPEN) if r.incomplete
-        ]
+        open_rows = self.fs.journal.rows_in_states(State.OPEN)
+        incomplete = [os.fsdecode(self.fs.journal.path_of(r.ino) or b"?")
+                      for r in open_rows if r.incomplete]
+        open_files = [os.fsdecode(self.fs.journal.path_of(r.ino) or b"?")
+                      for r in open_rows if not r.incomplete]
         st = self.fs.staging.statvfs()
         return {
             "mountpoint": str(self.mountpoint),
@@ -418,15 +421,34 @@ class ControlServer:
                 "allow_other": self.config.allow_other, "suid": self.config.suid,
                 "metrics_port": self.config.metrics_port,
             },
-            "failed": [{"item": str(w.target or w.key), "error": w.error, "attempts": w.attempts}
+            "failed": [{"item": self._describe(w.key), "error": w.error,
+                        "attempts": w.attempts,
+                        "retry_in_s": round(max(0.0, w.not_before - trio.current_time()), 1)}
                        for w in self.uploader.failed()],
             "incomplete": incomplete,
+            "open_for_writing": open_files[:OPEN_LISTED],
+            "open_for_writing_count": len(open_files),
             "node": self._node(),
             "staging": {"free_bytes": st.f_bavail * st.f_frsize,
                         "total_bytes": st.f_blocks * st.f_frsize,
                         "used_bytes": self.fs.space.used,
                         "max_bytes": self.fs.space.max_bytes},
         }
+
+    def _describe(self, key: tuple[str, int]) -> str:
+        """A work item as an operator reads it: the file's path, or what a deletion or a
+        directory rename's sweep is about (never the internal key)."""
+        kind, ident = key
+        if kind == "ino":
+            path = self.fs.journal.path_of(ident)
+            return os.fsdecode(path) if path else f"inode {ident} (unlinked since)"
+        if kind == "tomb":
+            return f"deletion of {self.fs.journal.tombstone_key(ident) or '?'} from the store"
+        if kind == "sweep":
+            sweep = self.fs.journal.sweep(ident)
+            return (f"moving {sweep[0]} to {sweep[1]} in the store" if sweep
+                    else f"directory move {ident}")
+        return f"{kind} {ident}"
 
     def _held(self) -> list[str]:
         """Why markers are not uploaded yet, for ``sync``'s progress line."""

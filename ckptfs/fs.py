@@ -177,6 +177,8 @@ def state_label(row: Row) -> str:
     return row.state.value
 
 
+# At most one "writers wait for space" log line per this many seconds.
+STALL_LOG_EVERY = 30.0
 # How often a writer waiting for space asks the uploader to retry failed items at once.
 HURRY_EVERY = 1.0
 
@@ -198,6 +200,7 @@ class Filesystem:
         self.write_stall_timeout = write_stall_timeout
         self.write_direct_io = write_direct_io
         self.stall_seconds = 0.0
+        self._stall_logged_at = -math.inf
         self.bytes_written = 0  # through write() since the mount (metrics)
         # unlink = "local-only" leaves remote copies to retention; fsync = "remote" waits for
         # the store (docs/SEMANTICS.md).
@@ -861,6 +864,7 @@ class Filesystem:
                     self._evict(nbytes)
                     if self.space.try_take(nbytes):
                         return
+                    self._log_stall(nbytes)
                     # hurry() wakes every waiter: two writers waiting here, each hurrying at
                     # each wake-up, would wake each other forever without a pause.
                     if trio.current_time() - hurried >= HURRY_EVERY:
@@ -869,8 +873,23 @@ class Filesystem:
                     await self.listener.wait_progress()
         finally:
             self.stall_seconds += trio.current_time() - started
+        log.error("ENOSPC to a writer: no room for %d bytes in %s after %.0fs of waiting for "
+                  "uploads (%d bytes of local data; see 'ckptfs status')", nbytes,
+                  self.staging.root, self.write_stall_timeout, self.space.used)
         raise StagingFull(f"no room for {nbytes} bytes in {self.staging.root} after "
                           f"{self.write_stall_timeout:.0f}s")
+
+    def _log_stall(self, nbytes: int) -> None:
+        """Say that writers wait for space, at most every ``STALL_LOG_EVERY`` seconds (many
+        writers stall at once, and each wakes up many times)."""
+        now = trio.current_time()
+        if now - self._stall_logged_at < STALL_LOG_EVERY:
+            return
+        self._stall_logged_at = now
+        log.warning("staging full: a writer waits for uploads to make room for %d bytes "
+                    "(%d bytes of local data, limit %s; ENOSPC after write_stall_timeout %.0fs)",
+                    nbytes, self.space.used, self.space.max_bytes or "the disk",
+                    self.write_stall_timeout)
 
     async def _make_room(self, nbytes: int) -> None:
         """A write of ``nbytes`` already accounted for hit a full disk: measure again and

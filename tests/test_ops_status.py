@@ -83,11 +83,23 @@ def test_status_lists_failing_uploads_while_the_store_is_down(
         time.sleep(0.1)
         report = status(m)
     assert report["failed"], report
-    assert "injected outage" in report["failed"][0]["error"]
+    failed = report["failed"][0]
+    assert "injected outage" in failed["error"]
+    # The operator's words: the file's path, how often it was tried, when it is tried again.
+    assert failed["item"] == "a.pt" and failed["attempts"] >= 1, failed
+    assert failed["retry_in_s"] >= 0, failed
     assert report["queue"]["files"] == 1
+    human = ckptfs("status", m.path).stdout
+    assert "a.pt" in human and "('ino'" not in human, human
+    with open(m.path / "still-open.pt", "wb") as f:   # open for writing: listed by path
+        f.write(b"x")
+        f.flush()
+        report = status(m)
+        assert report["open_for_writing"] == ["still-open.pt"], report
+        assert report["open_for_writing_count"] == 1
     down.unlink()
     ckptfs("sync", m.path)
-    assert status(m)["failed"] == []
+    assert status(m)["failed"] == [] and status(m)["open_for_writing"] == []
     assert (store / "a.pt").read_bytes() == b"a" * 1000
 
 

@@ -267,6 +267,9 @@ def test_store_down_full_staging_gives_enospc_after_stall_timeout(rig: Rig) -> N
     assert 4.5 <= result["stalled_secs"] <= 15, result
     written = result["written"]
     assert 40 * MiB < written < 96 * MiB, result
+    log = (staging / "daemon.log").read_text()   # the stall and the ENOSPC are said
+    assert "staging full: a writer waits for uploads" in log
+    assert "ENOSPC to a writer" in log
 
     # Nothing was lost: the closed files are intact, the failed file holds exactly what its
     # writes acknowledged.
