@@ -197,6 +197,9 @@ class Config(_Strict):
 
     staging_dir: Path = DEFAULT_STAGING
     allow_other: bool = False
+    # A reader's mount: the kernel refuses every change, nothing is uploaded, retention does
+    # not run, and the node never registers with the others (mount.py, coordination.py).
+    read_only: bool = False
     # The mount is always nodev, and nosuid unless this is set: the store (anyone who can
     # write its prefix) decides what a node maps (mount.py, listing.py).
     suid: bool = False

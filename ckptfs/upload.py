@@ -263,6 +263,12 @@ class Uploader:
             w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
             for w in (*self._pending.values(), *self._inflight.values()))
 
+    def pending(self) -> tuple[int, int]:
+        """Files not uploaded yet (staged or uploading, in the journal) and their bytes: what
+        a node leaves behind if it stops now (its registration, ``ckptfs umount``)."""
+        rows = self.journal.rows_in_states(State.STAGED, State.UPLOADING)  # files only
+        return len(rows), sum(r.size for r in rows)
+
     def held_markers(self) -> list[str]:
         """Markers waiting for other nodes (``status``)."""
         coordinator = self.coordinator
