@@ -212,6 +212,10 @@ class Config(_Strict):
     # while it has work, and when idle.
     node_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     node_poll_interval: Duration = timedelta(seconds=1)
+    # Register with the other nodes at mount, not before the first change: the first write
+    # never waits for the store, but a killed node holds the others' markers even if it only
+    # read (coordination.py).
+    register_at_mount: bool = False
     node_idle_poll_interval: Duration = timedelta(seconds=10)
     staging_max_bytes: int | None = Field(default=None, ge=1)
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)

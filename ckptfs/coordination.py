@@ -9,7 +9,8 @@ The nodes coordinate through the store alone, with small objects under ``.ckptfs
   node's marker must wait for: before the first request of its run that changes the tree
   (an open for writing, a create, a mkdir, a rename, ...) returns, that request waits for
   ``enlist`` (mount.py ``RegisteringOps``), or at mount when its journal already has work to
-  upload or it holds (a restart after a crash, below). Registering creates
+  upload or it holds (a restart after a crash, below), or when ``register_at_mount`` is set
+  (writes then never wait for the store, and a killed reader holds markers as a writer). Registering creates
   ``.ckptfs/nodes/<node id>`` (create-if-absent) holding a token kept in its staging
   directory: the same token is a restart of the same node; another one is a second staging
   directory claiming the id, refused (``DuplicateNode``), since the two would not wait for

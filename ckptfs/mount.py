@@ -225,7 +225,7 @@ async def serve(
             token=node_token(staging.root), run=run,
             register_timeout=config.write_stall_timeout.total_seconds())
         uploader.coordinator = coordinator
-        left = not _nothing_left(uploader, journal)
+        left = uploader.work_left()
         if config.read_only:
             if left:
                 files, size = uploader.pending()
@@ -238,7 +238,7 @@ async def serve(
             # closed before markers of other nodes may be); any other only at its first change
             # (RegisteringOps), and a registration a killed run of it left is removed.
             try:
-                await coordinator.check_at_mount(enlist=left)
+                await coordinator.check_at_mount(enlist=left or config.register_at_mount)
             except (TierError, StoreUnavailable) as exc:
                 raise UserError(f"cannot register this node in {tier.url}: {exc}") from None
             except DuplicateNode as exc:

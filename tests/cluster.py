@@ -122,8 +122,7 @@ async def run_node(
                                   register_timeout=register_timeout,
                                   wall=trio.current_time)  # "last seen" on the test's clock
         uploader.coordinator = coordinator
-        left = bool(uploader.outstanding() or journal.tombstones())
-        await coordinator.check_at_mount(enlist=left or not lazy)
+        await coordinator.check_at_mount(enlist=uploader.work_left() or not lazy)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 await nursery.start(uploader.run)
