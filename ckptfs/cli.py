@@ -47,6 +47,8 @@ ConfigOpt = Annotated[
 
 READY_TIMEOUT = 120.0
 DAEMON_EXIT_TIMEOUT = 120.0
+LAZY_EXIT_WAIT = 10.0  # seconds umount --lazy waits for the daemon before saying it stays
+EXIT_LEFT_BEHIND = 3  # umount --strict: files were left not uploaded
 
 
 class _OneLineRedacting(logging.Formatter):
@@ -106,6 +108,9 @@ def mount(
         show_default=False)] = None,
     log_level: Annotated[str | None, typer.Option(
         help="debug, info, warning or error.", show_default=False)] = None,
+    read_only: Annotated[bool | None, typer.Option(
+        "--read-only/--read-write", help="A reader's mount: no change, no upload, no "
+        "retention, never waited for by other nodes (-o ro).", show_default=False)] = None,
     foreground: Annotated[bool, typer.Option(
         "--foreground", "-f", help="Serve in this process (systemd, debugging).")] = False,
     options: Annotated[list[str] | None, typer.Option(
@@ -124,6 +129,7 @@ def mount(
         "staging_dir": _abs(staging),
         "store": None if store is None else store_url(store),
         "allow_other": allow_other,
+        "read_only": read_only,
         "log_level": log_level,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None or k not in overrides})
@@ -252,8 +258,13 @@ def umount(
         help="Give up waiting for uploads after this many seconds.", show_default=False,
         callback=_seconds)] = None,
     lazy: Annotated[bool, typer.Option("--lazy", "-z", help="Detach even if busy.")] = False,
+    strict: Annotated[bool, typer.Option(
+        "--strict", help="Exit with code 3 if files are left not uploaded (with --no-wait "
+        "or --lazy).")] = False,
 ) -> None:
-    """Wait for pending uploads, unmount, and wait for the daemon to exit."""
+    """Wait for pending uploads, unmount, and wait for the daemon to exit.
+
+    Files left not uploaded (--no-wait, --lazy) are named on stderr with where they stay."""
     entry = find(mountpoint)
     if entry is None:
         if not os.path.lexists(mountpoint):
@@ -275,10 +286,43 @@ def umount(
             reason = "it is busy (files are open or a process has its cwd there); try --lazy"
         raise UserError(f"cannot unmount {mountpoint}: {reason}", exit_code=1)
     pid = info.get("pid") if info else None
-    if isinstance(pid, int) and not _wait_exit(pid, DAEMON_EXIT_TIMEOUT):
-        raise UserError(
-            f"unmounted, but daemon {pid} is still running after {DAEMON_EXIT_TIMEOUT:.0f}s",
-            exit_code=1)
+    if not isinstance(pid, int):
+        return
+    staging = Path(str(info.get("staging_dir"))) if info and info.get("staging_dir") else None
+    # Detached while files are open, the daemon serves them (and goes on uploading) until
+    # they are closed: say so rather than wait for it.
+    if not _wait_exit(pid, LAZY_EXIT_WAIT if lazy else DAEMON_EXIT_TIMEOUT):
+        if not lazy:
+            raise UserError(
+                f"unmounted, but daemon {pid} is still running after "
+                f"{DAEMON_EXIT_TIMEOUT:.0f}s", exit_code=1)
+        print(f"ckptfs: detached {entry.mountpoint}; the daemon (pid {pid}) serves the files "
+              f"still open there until they are closed, then exits; files it has not "
+              f"uploaded by then stay in {staging or 'its staging directory'} and go up at "
+              "the next mount (its log says how many)", file=sys.stderr)
+        if strict:
+            raise SystemExit(EXIT_LEFT_BEHIND)
+        return
+    report = None if staging is None else _stop_report(staging, pid)
+    if report is None:
+        return
+    files, size = int(report.get("files") or 0), int(report.get("bytes") or 0)
+    if files:
+        print(f"ckptfs: {files} files ({size / 2**20:.1f} MiB) not uploaded; they stay in "
+              f"{staging} and go up at the next mount", file=sys.stderr)
+    if report.get("registered"):
+        print(f"ckptfs: node {report.get('node')} stays registered: the commit markers of "
+              "the other nodes mounting this store wait for it until it is mounted again "
+              "and has uploaded them (or 'ckptfs nodes --forget' on another node)",
+              file=sys.stderr)
+    if files and strict:
+        raise SystemExit(EXIT_LEFT_BEHIND)
+
+
+def _stop_report(staging: Path, pid: int) -> dict[str, Any] | None:
+    from ckptfs.noderun import read_stop_report
+
+    return read_stop_report(staging, pid)
 
 
 @app.command()
@@ -455,9 +499,7 @@ def status(
         if node:
             table.add_row("node", node["node"] + ("" if node["registered"] else " (not registered)"))
             if node["held_markers"]:
-                waiting = ", ".join(node["waiting_for"]) or "the barrier to be posted"
-                table.add_row("markers held", f"{', '.join(node['held_markers'])}: waiting for "
-                              f"{waiting}")
+                table.add_row("markers held", _held_text(r["mountpoint"], node))
             hold = node.get("hold")
             if hold:
                 held = ", ".join(hold.get("barriers") or []) or "none yet"
@@ -485,8 +527,8 @@ def nodes(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("node", "host", "pid", "registered", "", title_justify="left",
-                  title=f"nodes of the store of {entry.mountpoint}")
+    table = Table("node", "host", "pid", "registered", "last seen", "not uploaded", "",
+                  title_justify="left", title=f"nodes of the store of {entry.mountpoint}")
     for n in reply["nodes"]:
         since = n.get("since")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
@@ -494,10 +536,42 @@ def nodes(
             "a marker waits for it" if n.get("waited_for") else "")
         if n.get("hold"):
             note = (note + "; " if note else "") + "holding barriers (see its 'ckptfs status')"
-        table.add_row(n["node"], str(n.get("host", "?")), str(n.get("pid", "?")), when, note)
+        pending = "?" if n.get("pending_files") is None else \
+            f"{n['pending_files']} files, {_human(n.get('pending_bytes') or 0)}"
+        table.add_row(n["node"], str(n.get("host", "?")), str(n.get("pid", "?")), when,
+                      _ago(n.get("seen_ago_s")), pending, note)
     Console().print(table)
     if reply.get("held_markers"):
         print(f"markers held on this node: {', '.join(reply['held_markers'])}")
+
+
+def _ago(seconds: object) -> str:
+    """'12s ago', '5m ago', '3h ago'; '?' when unknown (a node of an older ckptfs)."""
+    if not isinstance(seconds, (int, float)):
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _held_text(mountpoint: str, node: dict[str, Any]) -> str:
+    """Which markers wait, for which nodes, what those nodes last said, and what to do."""
+    held = ", ".join(node["held_markers"])
+    if not node["waiting_for"]:
+        return f"{held}: waiting for the barrier to be posted"
+    infos = node.get("waiting_for_info") or {}
+    lines = [f"{held}: waiting for"]
+    for name in node["waiting_for"]:
+        info = infos.get(name) or {}
+        files = info.get("pending_files")
+        lines.append(f"  {name} (host {info.get('host', '?')}, last seen "
+                     f"{_ago(info.get('seen_ago_s'))}"
+                     + ("" if files is None else f", {files} files not uploaded") + ")")
+    lines.append(f"a slow node needs nothing; one that is gone for good (check its host "
+                 f"first) is dropped with 'ckptfs nodes {mountpoint} --forget ID': the "
+                 "markers then go out without its files")
+    return "\n".join(lines)
 
 
 @app.command("ls-tiers")

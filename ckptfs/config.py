@@ -211,6 +211,9 @@ class Config(_Strict):
 
     staging_dir: Path = DEFAULT_STAGING
     allow_other: bool = False
+    # A reader's mount: the kernel refuses every change, nothing is uploaded, retention does
+    # not run, and the node never registers with the others (mount.py, coordination.py).
+    read_only: bool = False
     # The mount is always nodev, and nosuid unless this is set: the store (anyone who can
     # write its prefix) decides what a node maps (mount.py, listing.py).
     suid: bool = False
@@ -223,6 +226,10 @@ class Config(_Strict):
     # while it has work, and when idle.
     node_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     node_poll_interval: Duration = timedelta(seconds=1)
+    # Register with the other nodes at mount, not before the first change: the first write
+    # never waits for the store, but a killed node holds the others' markers even if it only
+    # read (coordination.py).
+    register_at_mount: bool = False
     node_idle_poll_interval: Duration = timedelta(seconds=10)
     staging_max_bytes: int | None = Field(default=None, ge=1)
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)

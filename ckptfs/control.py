@@ -456,8 +456,10 @@ class ControlServer:
         held = self.uploader.held_markers()
         if coordinator is None or not held:
             return []
-        waiting = ", ".join(coordinator.waiting_for) or "its barrier to be posted"
-        return [f"{held[0]} waits for node {waiting} (see 'ckptfs nodes')"]
+        if not coordinator.waiting_for:
+            return [f"{held[0]} waits for its barrier to be posted"]
+        nodes = ", ".join(coordinator.waiting_for)
+        return [f"{held[0]} waits for node {nodes} (see 'ckptfs status' and 'ckptfs nodes')"]
 
     def _node(self) -> dict[str, Any] | None:
         coordinator = self.uploader.coordinator

@@ -5,14 +5,25 @@ before it, on ANY node mounting the same store prefix, is committed (docs/SEMANT
 The nodes coordinate through the store alone, with small objects under ``.ckptfs/``
 (tiers/base.py ``CONTROL_PREFIX``); no server, no clocks compared:
 
-- **Registration.** At mount, before the first request is served, a node creates
+- **Registration, lazily.** A node registers only once it may close a file that another
+  node's marker must wait for: before the first request of its run that changes the tree
+  (an open for writing, a create, a mkdir, a rename, ...) returns, that request waits for
+  ``enlist`` (mount.py ``RegisteringOps``), or at mount when its journal already has work to
+  upload or it holds (a restart after a crash, below), or when ``register_at_mount`` is set
+  (writes then never wait for the store, and a killed reader holds markers as a writer). Registering creates
   ``.ckptfs/nodes/<node id>`` (create-if-absent) holding a token kept in its staging
   directory: the same token is a restart of the same node; another one is a second staging
   directory claiming the id, refused (``DuplicateNode``), since the two would not wait for
-  each other. A clean unmount with nothing left to upload deletes it. A node
-  that was killed stays registered: markers wait for it until it comes back (the same staging
-  directory is the same node id) and has uploaded what it had, or until an operator removes
-  it (``ckptfs nodes forget``).
+  each other. A node that never changes anything (a reader, ``ls``, a read-only mount) is
+  never registered, so it never holds anyone's markers, however it dies. A clean unmount with
+  nothing left to upload deletes the registration. A node that was killed stays registered:
+  markers wait for it until it comes back (the same staging directory is the same node id)
+  and has uploaded what it had, or until an operator removes it (``ckptfs nodes --forget``);
+  one that comes back with nothing to upload removes the registration it left.
+- **Liveness.** A registered node rewrites its registration every ``HEARTBEAT`` seconds with
+  the wall time and what it has left to upload, which ``ckptfs nodes`` and ``status`` show
+  ("last seen"), so an operator can tell a dead node from a slow one before forgetting it.
+  Nothing decides on these times: a node is waited for as long as it is registered.
 - **Barrier.** When node A has a marker ready (everything A closed before it committed, the
   local rule in upload.py), it puts ``.ckptfs/barriers/<A>/<n>`` and then rewrites
   ``.ckptfs/epoch``. Its markers queued so far are released once every other registered node
@@ -26,9 +37,27 @@ Why this is enough: a file that node B closed before A's marker was closed is nu
 queue when its close(2) returns (upload.py ``closed``, at FLUSH, before the kernel's RELEASE)
 and keeps that number if it is queued again. A posts the barrier after the marker was closed,
 and B notes its queue only after it saw the barrier, so the number it notes covers the file;
-B acks only once the file is committed. A node that registers after A listed the nodes mounted
-after the marker was closed, so nothing it closes is "before" it.
+B acks only once the file is committed. And A waits for B: B's registration PUT completed
+before B's open for writing returned (``enlist``), that open precedes B's close, B's close
+precedes A's marker close, and A lists the nodes after the marker close, so A's listing (the
+store is strongly consistent) shows B. A node that registers after A's listing closed
+nothing before the marker: its first change came after its registration.
 
+Interleavings (tests/test_multinode.py):
+- B's registration and A's barrier at the same time: if A's listing misses B, B's first
+  change returned after that listing, so after A's marker close: not waited for, rightly. If
+  the listing shows B, A waits for B's ack, which B gives once what it queued by the time it
+  saw the barrier is committed (a barrier seen before B registered counts too: B acks it
+  once registered).
+- B killed after its registration PUT, before the open returned: B stays registered with
+  nothing to upload; A's markers wait until B restarts (it then finds its own registration,
+  with nothing to upload, and removes it) or is forgotten. ``ckptfs nodes`` shows it
+  registered, last seen at its last heartbeat, with no files pending.
+- B killed after its close: its journal has the file; the restart registers at mount (before
+  serving), uploads it and acks.
+- The store down during B's first change: the request waits for the registration with the
+  usual backoff for at most ``register_timeout`` (the mount's ``write_stall_timeout``), then
+  fails with EIO; nothing was changed, nothing can be missed.
 **Hold.** A node that restarts after an unclean stop AND a reboot (noderun.py: its page cache
 was lost, so files whose close(2) had returned may be gone, their journal rows rolled back or
 their data short) cannot know what it closed before a barrier: it acknowledges NO barrier of
@@ -58,6 +87,7 @@ import json
 import logging
 import math
 import os
+import random
 import secrets
 import socket
 import time
@@ -107,6 +137,8 @@ NODE_ID_FILE = "node-id"
 NODE_TOKEN_FILE = "node-token"
 RECENT = 60.0  # seconds after a barrier or upload during which a node polls at the fast rate
 BACKOFF_MAX = 30.0
+HEARTBEAT = 60.0  # seconds between rewrites of a registered node's registration (liveness)
+SLOW_ACK = 10.0  # seconds a barrier waits for a node before its registration is read (status)
 
 
 class Queue(Protocol):
@@ -115,6 +147,7 @@ class Queue(Protocol):
     def current_seq(self) -> int: ...
     def data_outstanding(self, upto_seq: int) -> bool: ...
     def released(self) -> None: ...
+    def pending(self) -> tuple[int, int]: ...
 
 
 class DuplicateNode(Exception):
@@ -178,6 +211,7 @@ class Coordinator:
         self, tier: Tier, node: str, queue: Queue, *, poll: float = 1.0,
         idle_poll: float = 10.0, clock: Callable[[], float] = trio.current_time,
         token: str | None = None, run: NodeRun | None = None,
+        register_timeout: float = 300.0, wall: Callable[[], float] = time.time,
     ) -> None:
         self.tier = tier
         self.node = node
@@ -194,10 +228,27 @@ class Coordinator:
         self._numbers = itertools.count(int(time.time() * 1000))
         self._last_activity = -math.inf
         self.waiting_for: list[str] = []  # nodes that have not acked our barrier yet
+        # What the registrations of the nodes in ``waiting_for`` said (host, last seen, files
+        # pending), read again every HEARTBEAT while waited for: for ``status``.
+        self.waited_info: dict[str, dict[str, Any]] = {}
+        self._waited_read: dict[str, float] = {}
         self.barrier: str | None = None
         self.error: str | None = None
         self.stats = CoordinationStats()
         self.registered = False
+        # Whether this node must be registered: it changed the tree in this run, or it had
+        # work to upload or a hold at mount. Until then it acks nothing and never registers.
+        self.enlisted = False
+        self._enlisting: trio.Event | None = None  # set when the running enlist ends
+        self.register_timeout = register_timeout
+        self._wall = wall
+        self._tag: str | None = None  # our registration's tag, as we last wrote it
+        self._enlist_error: Exception | None = None
+        self._since = wall()
+        self._heartbeat_at = -math.inf
+        # Spread over 0.8-1.2 HEARTBEAT per node: nodes mounted together do not rewrite their
+        # registrations in the same second, forever.
+        self._heartbeat_every = HEARTBEAT * random.Random(node).uniform(0.8, 1.2)
         self.run_record = run  # this run's record (noderun.py): the hold, if any
         self.held_barriers: list[str] = []  # barriers seen and not acked because of the hold
 
@@ -228,20 +279,28 @@ class Coordinator:
 
     # -- registration -----------------------------------------------------------------------
 
+    def _record(self) -> bytes:
+        """What this node's registration says: who it is, and (``ckptfs nodes``) when it was
+        last seen alive and what it has left to upload."""
+        files, size = self.queue.pending()
+        record: dict[str, Any] = {"node": self.node, "token": self.token,
+                                  "host": socket.gethostname(), "pid": os.getpid(),
+                                  "since": self._since, "seen": self._wall(),
+                                  "pending_files": files, "pending_bytes": size}
+        if self.hold is not None:
+            record["hold"] = self.hold.reason  # other nodes' 'ckptfs nodes' say why
+        return json.dumps(record).encode()
+
     async def register(self) -> None:
         """Register, or register again after a restart of this staging directory (the same
         token). Raises ``DuplicateNode`` if another staging directory holds this id: the two
         would not wait for each other."""
-        record: dict[str, Any] = {"node": self.node, "token": self.token,
-                                  "host": socket.gethostname(), "pid": os.getpid(),
-                                  "since": time.time()}
-        if self.hold is not None:
-            record["hold"] = self.hold.reason  # other nodes' 'ckptfs nodes' say why
-        body = json.dumps(record).encode()
         key = NODES + self.node
         while True:
+            body = self._record()
             try:
-                await self._request("put", self.tier.put_small, key, body, if_absent=True)
+                self._tag = await self._request("put", self.tier.put_small, key, body,
+                                                if_absent=True)
                 break
             except PreconditionFailed:
                 pass
@@ -249,22 +308,105 @@ class Coordinator:
                 old, tag = await self._request("get", self.tier.get_small, key)
             except ObjectMissing:
                 continue  # it left meanwhile
+            self._check_token(old)
             try:
-                theirs = json.loads(old)
-            except ValueError:
-                theirs = {}
-            if theirs.get("token") != self.token:
-                raise DuplicateNode(
-                    f"node id {self.node!r} is registered by another staging directory (host "
-                    f"{theirs.get('host', '?')}, pid {theirs.get('pid', '?')}): give each node "
-                    f"its own node_id, or if that node is gone for good, run 'ckptfs nodes "
-                    f"--forget {self.node}' on a live node")
-            try:
-                await self._request("put", self.tier.put_small, key, body, if_tag=tag)
+                self._tag = await self._request("put", self.tier.put_small, key, body,
+                                                if_tag=tag)
                 break
             except PreconditionFailed:
                 continue
         self.registered = True
+        self._heartbeat_at = self._clock()
+
+    def _check_token(self, body: bytes) -> None:
+        """Raise ``DuplicateNode`` unless the registration ``body`` is this staging
+        directory's."""
+        try:
+            theirs = json.loads(body)
+        except ValueError:
+            theirs = {}
+        if not isinstance(theirs, dict) or theirs.get("token") != self.token:
+            if not isinstance(theirs, dict):
+                theirs = {}
+            raise DuplicateNode(
+                f"node id {self.node!r} is registered by another staging directory (host "
+                f"{theirs.get('host', '?')}, pid {theirs.get('pid', '?')}): give each node "
+                f"its own node_id, or if that node is gone for good, run 'ckptfs nodes "
+                f"--forget {self.node}' on a live node")
+
+    async def check_at_mount(self, enlist: bool) -> None:
+        """At mount, before the first request. ``enlist``: this node has work to upload
+        (or holds): it registers now. Otherwise it stays unregistered, but a registration
+        this staging directory left (a kill after its last upload, or before its first
+        close) is removed: nothing here is left to wait for. Another staging directory's
+        registration of this id is refused either way (``DuplicateNode``)."""
+        if enlist or self.hold is not None:
+            await self.register()
+            self.enlisted = True
+            return
+        key = NODES + self.node
+        try:
+            body, _ = await self._request("get", self.tier.get_small, key)
+        except ObjectMissing:
+            return
+        self._check_token(body)
+        log.info("node %s: removing the registration a previous run left (nothing is left "
+                 "to upload here)", self.node)
+        await self._request("delete", self.tier.delete, key)
+
+    async def enlist(self) -> None:
+        """Be registered before this node's first change returns (module docstring). Free
+        once registered. While the store is down, retries with backoff for at most
+        ``register_timeout``, then raises ``StoreUnavailable`` (the request fails with EIO,
+        having changed nothing); ``DuplicateNode`` if another staging directory took the id.
+        Concurrent callers share one attempt."""
+        while not (self.enlisted and self.registered):
+            running = self._enlisting
+            if running is not None:
+                await running.wait()
+                if self._enlist_error is not None:
+                    raise self._enlist_error
+                continue
+            self._enlisting = trio.Event()
+            self._enlist_error = None
+            try:
+                await self._register_patiently()
+                self.enlisted = True
+                log.info("node %s registered in %s: this run changes files", self.node,
+                         self.tier.url)
+                self.activity()  # the ack loop polls at the fast rate again
+            except (StoreUnavailable, DuplicateNode) as exc:
+                self._enlist_error = exc
+                raise
+            finally:
+                self._enlisting.set()
+                self._enlisting = None
+
+    async def _register_patiently(self) -> None:
+        deadline = self._clock() + self.register_timeout
+        failures = 0
+        while True:
+            try:
+                await self.register()
+                self.error = None
+                return
+            except DuplicateNode as exc:
+                self.error = str(exc)
+                log.error("%s", exc)
+                raise
+            except (StoreUnavailable, TierError, ObjectMissing, OSError) as exc:
+                failures += 1
+                self.error = f"cannot register: {type(exc).__name__}: {exc}"
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise StoreUnavailable(
+                        f"node {self.node} could not register in {self.tier.url} within "
+                        f"{self.register_timeout:.0f}s, so it may not change files: "
+                        f"{exc}") from None
+                delay = min(BACKOFF_MAX, self.poll * 2 ** min(failures, 10), left)
+                log.warning("node %s could not register in %s (retry in %.0fs): %s",
+                            self.node, self.tier.url, delay, exc)
+                await trio.sleep(delay)
 
     async def deregister(self) -> None:
         if self.hold is not None:
@@ -274,6 +416,7 @@ class Coordinator:
             return
         await self._request("delete", self.tier.delete, NODES + self.node)
         self.registered = False
+        self.enlisted = False
 
     async def describe(self) -> list[dict[str, Any]]:
         """Every registered node with what it registered (``ckptfs nodes``)."""
@@ -290,6 +433,10 @@ class Coordinator:
             info["node"] = name
             info["self"] = name == self.node
             info["waited_for"] = name in self.waiting_for
+            seen = info.get("seen")
+            if isinstance(seen, (int, float)):
+                info["seen_ago_s"] = max(0.0, self._wall() - seen)
+            info.pop("token", None)  # it proves the registration is ours: never shown
             out.append(info)
         return out
 
@@ -311,21 +458,58 @@ class Coordinator:
         await self._request("delete", self.tier.delete, NODES + name)
 
     async def _still_registered(self) -> None:
+        """A registered node forgotten by another node registers again (and a hold ends)."""
         try:
             await self._request("get", self.tier.get_small, NODES + self.node)
         except ObjectMissing:
-            log.warning("this node (%s) was forgotten by another node: registering again",
-                        self.node)
-            if self.run_record is not None and self.hold is not None:
-                # Markers held for it went out without what it lost: the hold is over.
-                self.run_record.clear_hold("forgotten by another node")
-                self.held_barriers = []
+            await self._forgotten()
+
+    async def _forgotten(self) -> None:
+        log.warning("this node (%s) was forgotten by another node: registering again",
+                    self.node)
+        if self.run_record is not None and self.hold is not None:
+            # Markers held for it went out without what it lost: the hold is over.
+            self.run_record.clear_hold("forgotten by another node")
+            self.held_barriers = []
+        try:
+            await self.register()
+        except DuplicateNode as exc:
+            self.registered = False
+            self.error = str(exc)
+            log.error("%s", exc)
+
+    async def _heartbeats(self) -> None:
+        """Its own task, on its own period: not in step with the polls, which a save wakes
+        on every node at once."""
+        while True:
+            due = self._heartbeat_at + self._heartbeat_every
+            if not (self.enlisted and self.registered):
+                await trio.sleep(self._heartbeat_every)
+            elif self._clock() < due:
+                await trio.sleep(due - self._clock())
+            else:
+                await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        """Rewrite the registration (last seen, files pending), if it is still ours."""
+        self._heartbeat_at = self._clock()
+        try:
+            self._tag = await self._request("put", self.tier.put_small, NODES + self.node,
+                                            self._record(), if_tag=self._tag)
+        except (PreconditionFailed, ObjectMissing):
             try:
-                await self.register()
+                body, _ = await self._request("get", self.tier.get_small, NODES + self.node)
+            except ObjectMissing:
+                await self._forgotten()
+                return
+            try:
+                self._check_token(body)
             except DuplicateNode as exc:
                 self.registered = False
                 self.error = str(exc)
                 log.error("%s", exc)
+                return
+            await self.register()  # ours, rewritten by another run of ours: take it back
 
     async def nodes(self) -> set[str]:
         """The registered nodes."""
@@ -344,6 +528,7 @@ class Coordinator:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._retrying, self._post_barriers)
             nursery.start_soon(self._retrying, self._ack_barriers)
+            nursery.start_soon(self._retrying, self._heartbeats)
             task_status.started()
 
     async def _retrying(self, loop: Callable[[], Any]) -> None:
@@ -400,21 +585,45 @@ class Coordinator:
                 await self._request("put", self.tier.put_small, EPOCH, name.encode())
                 self._posted = (name, upto, True)
             self.activity()
+            waiting_since = self._clock()
             while True:
                 others = await self.nodes() - {self.node}
                 acked = set(await self._names(f"{ACKS}{name}/"))
                 self.waiting_for = sorted(others - acked)
                 if not self.waiting_for:
                     break
+                if self._clock() - waiting_since >= SLOW_ACK:
+                    await self._read_waited()  # a slow or dead node: say who it is
                 await trio.sleep(self.poll)
             self.error = None
             self._posted = None
             self._release(upto)
             await self._cleanup(name)
 
+    async def _read_waited(self) -> None:
+        """Refresh what the nodes we wait for registered (at most every HEARTBEAT each)."""
+        now = self._clock()
+        for name in list(self.waited_info):
+            if name not in self.waiting_for:
+                del self.waited_info[name]
+                self._waited_read.pop(name, None)
+        for name in self.waiting_for:
+            if now - self._waited_read.get(name, -math.inf) < HEARTBEAT:
+                continue
+            self._waited_read[name] = now
+            try:
+                body, _ = await self._request("get", self.tier.get_small, NODES + name)
+                info = json.loads(body)
+            except (ObjectMissing, ValueError):
+                continue  # it left meanwhile (the next poll sees it), or unreadable
+            if isinstance(info, dict):
+                info.pop("token", None)
+                self.waited_info[name] = info
+
     def _release(self, upto: int) -> None:
         self._released = max(self._released, upto)
         self.waiting_for = []
+        self.waited_info = {}
         self.barrier = None
         self.queue.released()
 
@@ -447,7 +656,7 @@ class Coordinator:
                 # Each poll: an operator's 'forget' on another node ends the hold.
                 await self._still_registered()
             if tag != epoch or first:
-                if not first and self.hold is None:
+                if not first and self.hold is None and self.enlisted:
                     await self._still_registered()
                 first = False
                 listed = {n for n in await self._names(BARRIERS)
@@ -470,6 +679,11 @@ class Coordinator:
             for name, barrier in list(seen.items()):
                 if self.hold is not None:
                     break  # it cannot know what it closed before them (noderun.py)
+                if not self.enlisted:
+                    # Not registered: nobody waits for its ack. Kept in ``seen`` with the
+                    # number noted now, and acked once it registers (a barrier posted
+                    # before then may have listed it).
+                    break
                 if not self.queue.data_outstanding(barrier.upto):
                     await self._request("put", self.tier.put_small,
                                         f"{ACKS}{name}/{self.node}", b"")
@@ -478,7 +692,7 @@ class Coordinator:
                     self.stats.barriers_acked += 1
             self.error = None
             recent = self._clock() - self._last_activity < RECENT
-            if (seen or recent) and self.hold is None:
+            if ((seen and self.enlisted) or recent) and self.hold is None:
                 await trio.sleep(self.poll)
             else:
                 # Idle: a local write (a save starting here, so likely everywhere) ends the
@@ -494,8 +708,12 @@ class Coordinator:
         return {
             "node": self.node,
             "registered": self.registered,
+            "enlisted": self.enlisted,
             "barrier": self.barrier,
             "waiting_for": list(self.waiting_for),
+            "waiting_for_info": {name: {**info, **({"seen_ago_s": max(
+                0.0, self._wall() - info["seen"])} if isinstance(info.get("seen"), (int, float))
+                else {})} for name, info in self.waited_info.items()},
             "error": self.error,
             "hold": None if self.hold is None else {
                 **self.hold.as_dict(), "barriers": list(self.held_barriers)},

@@ -8,10 +8,20 @@ in its registration.
 
 A mount is *ready* when the kernel has accepted it; ``serve`` calls ``on_ready`` at that point
 (the CLI uses it to let a background ``ckptfs mount`` return, systemd gets READY=1).
+
+Registration is lazy (coordination.py): at mount only a node with work left in its journal
+(or a hold) registers; any other registers before its first request that changes the tree
+returns (``RegisteringOps``), so a node that only reads never holds another node's markers.
+A read-only mount (``read_only``) never registers, uploads or runs retention; the kernel
+refuses every change (``ro``), and a staging directory with files left to upload is refused.
+
+At exit the daemon writes a stop report (noderun.py) in the staging directory: what it left un-uploaded
+and whether it stayed registered, for ``ckptfs umount`` to say so.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -33,7 +43,7 @@ from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.mountinfo import check_mountpoint, find, mounts
-from ckptfs.noderun import NodeRun, boot_id
+from ckptfs.noderun import NodeRun, boot_id, write_stop_report
 from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
@@ -45,6 +55,7 @@ log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "journal.db"
 LOG_NAME = "daemon.log"
+MiB = 1024 * 1024
 
 
 def fuse_options(config: Config) -> set[str]:
@@ -59,7 +70,78 @@ def fuse_options(config: Config) -> set[str]:
     # nosuid keeps the kernel from honouring those of local files unless the operator asks.
     options.add("nodev")
     options.add("suid" if config.suid else "nosuid")
+    if config.read_only:
+        options.add("ro")  # the kernel answers EROFS: no change reaches the daemon
     return options
+
+
+class RegisteringOps(FuseOps):
+    """The FUSE handlers, but every request that changes the tree first makes sure this node
+    is registered (``Coordinator.enlist``: free once done): whatever it closes after that
+    can be waited for by the other nodes' markers (coordination.py). Reads never wait."""
+
+    def __init__(self, fs: Filesystem, coordinator: Coordinator, **kwargs: Any) -> None:
+        super().__init__(fs, **kwargs)
+        self.coordinator = coordinator
+
+    async def _enlist(self) -> None:
+        coordinator = self.coordinator
+        if coordinator.enlisted and coordinator.registered:
+            return
+        try:
+            await coordinator.enlist()
+        except (StoreUnavailable, DuplicateNode) as exc:
+            log.error("refusing a change: %s", exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    async def open(self, inode: int, flags: int, ctx: Any) -> Any:
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            await self._enlist()
+        return await super().open(inode, flags, ctx)
+
+    async def create(self, *args: Any, **kwargs: Any) -> Any:
+        await self._enlist()
+        return await super().create(*args, **kwargs)
+
+    async def setattr(self, *args: Any, **kwargs: Any) -> Any:
+        await self._enlist()
+        return await super().setattr(*args, **kwargs)
+
+    async def mknod(self, *args: Any, **kwargs: Any) -> Any:
+        await self._enlist()
+        return await super().mknod(*args, **kwargs)
+
+    async def mkdir(self, *args: Any, **kwargs: Any) -> Any:
+        await self._enlist()
+        return await super().mkdir(*args, **kwargs)
+
+    async def unlink(self, *args: Any, **kwargs: Any) -> None:
+        await self._enlist()
+        await super().unlink(*args, **kwargs)
+
+    async def rmdir(self, *args: Any, **kwargs: Any) -> None:
+        await self._enlist()
+        await super().rmdir(*args, **kwargs)
+
+    async def symlink(self, *args: Any, **kwargs: Any) -> Any:
+        await self._enlist()
+        return await super().symlink(*args, **kwargs)
+
+    async def rename(self, *args: Any, **kwargs: Any) -> None:
+        await self._enlist()
+        await super().rename(*args, **kwargs)
+
+    async def link(self, *args: Any, **kwargs: Any) -> Any:
+        await self._enlist()
+        return await super().link(*args, **kwargs)
+
+    async def setxattr(self, *args: Any, **kwargs: Any) -> None:
+        await self._enlist()
+        await super().setxattr(*args, **kwargs)
+
+    async def removexattr(self, *args: Any, **kwargs: Any) -> None:
+        await self._enlist()
+        await super().removexattr(*args, **kwargs)
 
 
 def sd_notify(message: str) -> None:
@@ -140,16 +222,27 @@ async def serve(
             tier, node, uploader,
             poll=config.node_poll_interval.total_seconds(),
             idle_poll=config.node_idle_poll_interval.total_seconds(),
-            token=node_token(staging.root), run=run)
+            token=node_token(staging.root), run=run,
+            register_timeout=config.write_stall_timeout.total_seconds())
         uploader.coordinator = coordinator
-        # Before the first request: a node that closes files must be known to the others
-        # before any of them can miss it (coordination.py).
-        try:
-            await coordinator.register()
-        except (TierError, StoreUnavailable) as exc:
-            raise UserError(f"cannot register this node in {tier.url}: {exc}") from None
-        except DuplicateNode as exc:
-            raise UserError(str(exc)) from None
+        left = uploader.work_left()
+        if config.read_only:
+            if left:
+                files, size = uploader.pending()
+                raise UserError(
+                    f"{staging.root} has work not uploaded yet ({files} files, "
+                    f"{size / MiB:.1f} MiB): a read-only mount uploads nothing; mount it "
+                    "read-write first (or use another staging directory)")
+        else:
+            # Before the first request: a node with work left registers now (its files were
+            # closed before markers of other nodes may be); any other only at its first change
+            # (RegisteringOps), and a registration a killed run of it left is removed.
+            try:
+                await coordinator.check_at_mount(enlist=left or config.register_at_mount)
+            except (TierError, StoreUnavailable) as exc:
+                raise UserError(f"cannot register this node in {tier.url}: {exc}") from None
+            except DuplicateNode as exc:
+                raise UserError(str(exc)) from None
         try:
             await _serve_registered(config, mountpoint, staging, journal, tier, fs, uploader,
                                     coordinator, on_ready, passthrough)
@@ -159,6 +252,8 @@ async def serve(
             with trio.CancelScope(shield=True):
                 await _leave(coordinator, _nothing_left(uploader, journal))
             raise
+        finally:
+            _report_stop(staging.root, uploader, coordinator)
     finally:
         journal.close()
         with trio.CancelScope(shield=True):
@@ -200,11 +295,13 @@ async def _serve_registered(
             "version": __version__,
         }
         async with trio.open_nursery() as nursery:
-            await nursery.start(uploader.run)
-            await nursery.start(coordinator.run)
+            if not config.read_only:  # read-only: nothing goes to the store, nothing is acked
+                await nursery.start(uploader.run)
+                await nursery.start(coordinator.run)
             await nursery.start(control.serve)
-            nursery.start_soon(retention.run, uploader,
-                               config.retention_interval.total_seconds())
+            if not config.read_only:
+                nursery.start_soon(retention.run, uploader,
+                                   config.retention_interval.total_seconds())
             if metrics is not None:
                 nursery.start_soon(metrics.serve)
             assert fs.fetcher is not None and fs.lister is not None
@@ -214,10 +311,13 @@ async def _serve_registered(
             # The root's listing before the mount is ready: the first lookups (often a
             # writer's new files) then never wait for the store.
             await fs.lister.refresh(fs.getattr(ROOT_INODE))
-            ops = FuseOps(fs, attr_timeout=min(10.0, config.metadata_ttl.total_seconds()),
-                          passthrough=PassthroughFiles(
-                              fs, passthrough.request, passthrough.reason,
-                              write_reserve=config.passthrough_write_reserve))
+            ops_args: dict[str, Any] = {
+                "attr_timeout": min(10.0, config.metadata_ttl.total_seconds()),
+                "passthrough": PassthroughFiles(
+                    fs, passthrough.request, passthrough.reason,
+                    write_reserve=config.passthrough_write_reserve)}
+            ops = FuseOps(fs, **ops_args) if config.read_only else \
+                RegisteringOps(fs, coordinator, **ops_args)
             control.passthrough = ops.passthrough
             if passthrough.request:
                 nursery.start_soon(ops.passthrough.watch)
@@ -232,7 +332,8 @@ async def _serve_registered(
                              "max_stack_depth": backing_stack_depth(staging.root)}
             pyfuse3.init(ops, str(mountpoint), fuse_options(config), **init_args)
             try:
-                log.info("mounted %s (staging %s, warm tier %s)", mountpoint, staging.root,
+                log.info("mounted %s%s (staging %s, warm tier %s)", mountpoint,
+                         " read-only" if config.read_only else "", staging.root,
                          config.warm.url)
                 nursery.start_soon(_terminate_on_signal)
                 on_ready()
@@ -285,6 +386,23 @@ async def _leave(coordinator: Coordinator, idle: bool) -> None:
             await coordinator.deregister()
         except (TierError, StoreUnavailable) as exc:
             log.warning("could not deregister node %s: %s", coordinator.node, exc)
+
+
+def _report_stop(root: Path, uploader: Uploader, coordinator: Coordinator) -> None:
+    """What this run leaves behind, for ``ckptfs umount`` (noderun.py ``STOP_REPORT``)."""
+    try:
+        files, size = uploader.pending()
+    except Exception as exc:  # noqa: BLE001 (the journal may be what failed: report nothing)
+        log.warning("could not count the files left to upload: %s", exc)
+        return
+    if files:
+        log.warning("%d files (%.1f MiB) not uploaded; they stay in %s and go up at the next "
+                    "mount", files, size / MiB, root)
+    try:
+        write_stop_report(root, {"pid": os.getpid(), "node": coordinator.node, "files": files,
+                                 "bytes": size, "registered": coordinator.registered})
+    except OSError as exc:
+        log.warning("could not write the stop report in %s: %s", root, exc)
 
 
 def set_read_ahead(mountpoint: Path, kb: int) -> None:

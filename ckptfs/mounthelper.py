@@ -7,10 +7,11 @@ wrapper ``mount/mount.ckptfs`` (installed by ``mount/install.sh``), which runs `
   or ``none`` takes it from the config file.
 - OPTIONS are configuration keys (``staging_dir=/nvme/ckptfs``, ``upload_concurrency=8``,
   ``fsync=remote``, a bare ``allow_other``), plus ``config=/etc/ckptfs/ckpt.toml``. The generic
-  options fstab and systemd use (``defaults``, ``rw``, ``auto``, ``noauto``, ``_netdev``,
+  options fstab and systemd use (``defaults``, ``auto``, ``noauto``, ``_netdev``,
   ``nofail``, ``x-systemd.*``, ``noatime``, ...) are accepted and ignored. ``nosuid`` and
-  ``suid`` set the ``suid`` key (the last one given wins; ``defaults`` turns nothing on);
-  ``nodev`` is accepted (the mount always is); ``dev`` is refused.
+  ``suid`` set the ``suid`` key, ``ro`` and ``rw`` (and mount(8)'s ``-r``/``-w``) the
+  ``read_only`` key (the last one given wins; ``defaults`` turns nothing on); ``nodev`` is
+  accepted (the mount always is); ``dev`` is refused.
 - ``ckptfs mount -o OPTIONS`` takes the same options (``parse_options``).
 
 The helper then execs ``ckptfs mount``, which returns once the mount is ready (or with the
@@ -35,7 +36,7 @@ from ckptfs.errors import UserError
 
 # Accepted and ignored: they mean something to mount(8), fstab or systemd, not to ckptfs.
 GENERIC_OPTIONS = frozenset({
-    "defaults", "rw", "auto", "noauto", "_netdev", "nofail", "user", "nouser", "users",
+    "defaults", "auto", "noauto", "_netdev", "nofail", "user", "nouser", "users",
     "owner", "group", "exec", "noexec", "nodev", "async", "atime",
     "noatime", "relatime", "norelatime", "strictatime", "nostrictatime", "diratime",
     "nodiratime", "lazytime", "nolazytime", "iversion", "noiversion", "silent", "loud",
@@ -43,12 +44,12 @@ GENERIC_OPTIONS = frozenset({
 GENERIC_PREFIXES = ("x-", "X-", "comment=")
 # Options ckptfs cannot honour: refused rather than silently ignored.
 REFUSED_OPTIONS = {
-    "ro": "ckptfs cannot be mounted read-only",
     "sync": "'sync' is not supported (fsync=remote makes fsync wait for the store)",
     "dev": "ckptfs always mounts nodev (device files are not supported)",
 }
 # Generic options that are configuration keys (``suid = true`` in the config file).
-BOOL_ALIASES = {"suid": ("suid", True), "nosuid": ("suid", False)}
+BOOL_ALIASES = {"suid": ("suid", True), "nosuid": ("suid", False),
+                "ro": ("read_only", True), "rw": ("read_only", False)}
 SECRET_KEYS = frozenset({"access_key_id", "secret_access_key"})
 ALIASES = {"staging": "staging_dir"}
 # Keys that are lists or tables: the config file's business, not a mount option's.
@@ -171,6 +172,8 @@ def parse_helper_args(argv: list[str]) -> HelperArgs:
     options: list[str] = []
     fake = verbose = sloppy = False
     args = iter(argv)
+    # mount -r / -w: the same as -o ro / -o rw (given first: an explicit -o wins).
+    access: list[str] = []
     for arg in args:
         if arg in ("-h", "--help"):
             raise UserError(USAGE, exit_code=0)
@@ -192,15 +195,15 @@ def parse_helper_args(argv: list[str]) -> HelperArgs:
                     verbose = True
                 elif flag == "s":
                     sloppy = True
-                elif flag == "r":
-                    raise UserError(REFUSED_OPTIONS["ro"], exit_code=EXIT_USAGE)
-                elif flag not in "nw":
+                elif flag in "rw":
+                    access = ["ro" if flag == "r" else "rw"]
+                elif flag != "n":
                     raise UserError(f"unknown flag -{flag} ({USAGE})", exit_code=EXIT_USAGE)
         else:
             positional.append(arg)
     if len(positional) != 2:
         raise UserError(f"expected SOURCE and DIR ({USAGE})", exit_code=EXIT_USAGE)
-    return HelperArgs(positional[0], positional[1], options, fake, verbose, sloppy)
+    return HelperArgs(positional[0], positional[1], access + options, fake, verbose, sloppy)
 
 
 def mount_command(args: HelperArgs) -> list[str]:

@@ -28,6 +28,10 @@ Invariants:
   at all says it existed.
 - No record (a new staging directory, or one of an older ckptfs) is not a hold.
 
+A third, ``last-stop.json`` (``STOP_REPORT``), is written by every daemon as it exits: its pid,
+node id, the files (and bytes) it left not uploaded and whether it stayed registered, so
+that ``ckptfs umount`` can say what stays behind. Nothing decides on it.
+
 Only the composition root (mount.py, tests/cluster.py) starts and stops a run; the
 coordinator reads ``hold`` and asks for ``clear_hold``.
 """
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 RUN_FILE = "node-run"
 HOLD_FILE = "node-hold"
+STOP_REPORT = "last-stop.json"
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -196,3 +201,23 @@ def _sync_filesystem(path: Path) -> None:
             raise OSError(err, os.strerror(err), str(path))
     finally:
         os.close(fd)
+
+
+def write_stop_report(root: Path, report: dict[str, Any]) -> None:
+    """Replace the stop report of the staging directory ``root`` (0600: it names the node)."""
+    tmp = root / (STOP_REPORT + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(report).encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(tmp, root / STOP_REPORT)
+
+
+def read_stop_report(root: Path, pid: int) -> dict[str, Any] | None:
+    """The stop report daemon ``pid`` wrote in ``root``; None if it wrote none (or an older
+    run's is there, or it cannot be read)."""
+    report = _read_json(root / STOP_REPORT)
+    if report is None or report.get("pid") != pid:
+        return None
+    return report

@@ -263,6 +263,34 @@ class Uploader:
             w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
             for w in (*self._pending.values(), *self._inflight.values()))
 
+    def pending(self) -> tuple[int, int]:
+        """Files not uploaded yet (staged or uploading, in the journal) and their bytes: what
+        a node leaves behind if it stops now (its registration, ``ckptfs umount``)."""
+        rows = self.journal.rows_in_states(State.STAGED, State.UPLOADING)  # files only
+        return len(rows), sum(r.size for r in rows)
+
+    def work_left(self) -> bool:
+        """Whether anything queued needs the store: a file to upload, an entry to put, a
+        move, a deletion or a sweep. After a restart every linked inode is queued and most
+        are found done at once; those do not count (a node that only read has none)."""
+        if self.journal.rows_in_states(State.STAGED, State.UPLOADING) or \
+                self.journal.tombstones() or self.journal.sweeps():
+            return True
+        for work in (*self._pending.values(), *self._inflight.values()):
+            if work.key[0] != "ino":
+                return True
+            try:
+                row = self.ns.get(work.key[1])
+            except NotFound:
+                continue
+            if row.incomplete or row.state is State.OPEN:
+                continue  # never uploaded as it is
+            key = self.keys.key_of(row)
+            if row.uploading_key is not None or row.state in (State.STAGED, State.UPLOADING) \
+                    or (key is not None and row.remote_key != key):
+                return True
+        return False
+
     def held_markers(self) -> list[str]:
         """Markers waiting for other nodes (``status``)."""
         coordinator = self.coordinator

@@ -41,6 +41,9 @@ class Node:
     stopped: trio.Event
 
     async def write(self, path: str, data: bytes) -> None:
+        """Write as through the mount: its first change registers the node (mount.py's
+        RegisteringOps; free once registered)."""
+        await self.coordinator.enlist()
         await write_file(self.fs, path, data)
 
     def kill(self) -> None:
@@ -87,11 +90,15 @@ def make_tier(store: str, wrap: Tier | None = None) -> FaultyTier:
 async def run_node(
     root: Path, store: str, *, poll: float = 1.0, idle_poll: float = 10.0,
     tier: FaultyTier | None = None, node: str | None = None, boot: str | None = "boot-1",
+    lazy: bool = False, register_timeout: float = 300.0,
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """A node, started with ``nursery.start``: it runs until ``stop()`` or ``kill()``.
     ``boot`` stands for the machine's boot id (noderun.py): a power loss is a kill, the
-    journal rolled back (``power_loss``) and a restart with another ``boot``."""
+    journal rolled back (``power_loss``) and a restart with another ``boot``. ``lazy``:
+    registered as a mount registers (at start only with work left or a hold, else at its
+    first ``write``); otherwise at start, as if it had changed something at once (the tests
+    that change the core directly, not through ``write``, need that)."""
     tier = tier or make_tier(store)
     staging = Staging(root)
     staging.prepare()
@@ -111,9 +118,11 @@ async def run_node(
         run.start(name, incomplete=len(
             [r for r in journal.rows_in_states(State.OPEN) if r.incomplete]))
         coordinator = Coordinator(tier, name, uploader, poll=poll,
-                                  idle_poll=idle_poll, token=node_token(root), run=run)
+                                  idle_poll=idle_poll, token=node_token(root), run=run,
+                                  register_timeout=register_timeout,
+                                  wall=trio.current_time)  # "last seen" on the test's clock
         uploader.coordinator = coordinator
-        await coordinator.register()
+        await coordinator.check_at_mount(enlist=uploader.work_left() or not lazy)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 await nursery.start(uploader.run)
@@ -126,7 +135,7 @@ async def run_node(
                 await started.stop_requested.wait()
                 idle = not uploader.outstanding()  # as mount.py: before the cancellation
                 nursery.cancel_scope.cancel()
-        if not scope.cancel_called and idle:
+        if not scope.cancel_called and idle and coordinator.registered:
             await coordinator.deregister()
     finally:
         killed = scope is not None and scope.cancel_called

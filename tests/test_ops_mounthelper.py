@@ -46,6 +46,7 @@ def test_options_map_to_config_keys_and_generic_ones_are_ignored() -> None:
     assert parsed.overrides == {
         "staging_dir": "/nvme/ckptfs", "upload_concurrency": "8", "allow_other": True,
         "fsync": "remote", "step_regex": "step(\\d+),x", "suid": False,  # from nosuid
+        "read_only": False,  # from rw
     }
     assert "_netdev" in parsed.ignored and "nofail" in parsed.ignored
     assert "nodev" in parsed.ignored  # always nodev
@@ -73,7 +74,6 @@ def test_suid_and_nosuid_set_the_suid_key_and_dev_is_refused(tmp_path: Path) -> 
 @pytest.mark.parametrize(("options", "needle"), [
     ("bogus=1", "unknown mount option 'bogus'"),
     ("upload_concurrency", "'upload_concurrency' needs a value"),
-    ("ro", "read-only"),
     ("sync", "fsync=remote"),
     ("dev", "nodev"),
     ("secret_access_key=abc", "credentials"),
@@ -105,8 +105,12 @@ def test_helper_args_as_mount_passes_them(tmp_path: Path) -> None:
     assert (args.source, args.mountpoint, args.options) == ("s3://b-1/run", "/ckpt",
                                                            ["upload_concurrency=2"])
     assert args.fake and args.verbose and args.sloppy
-    with pytest.raises(UserError, match="read-only"):
-        parse_helper_args(["src", "/ckpt", "-r"])
+    # mount -r is -o ro (a read-only mount), which an explicit -o rw overrides.
+    assert parse_helper_args(["src", "/ckpt", "-r"]).options == ["ro"]
+    assert parse_options(parse_helper_args(["src", "/ckpt", "-r"]).options).overrides == {
+        "read_only": True}
+    assert parse_options(parse_helper_args(
+        ["src", "/ckpt", "-r", "-o", "rw"]).options).overrides == {"read_only": False}
     with pytest.raises(UserError, match="SOURCE and DIR"):
         parse_helper_args(["/ckpt"])
 

@@ -73,7 +73,11 @@ def test_status_lists_failing_uploads_while_the_store_is_down(
         tmp_path: Path, mounter: Mounter) -> None:
     store, down = tmp_path / "store", tmp_path / "down"
     store.mkdir()
-    m = mounter(config=file_tier_config(tmp_path / "c.toml", store, down_file=str(down)))
+    # Registered at mount: the store goes down before this node's first write, which would
+    # otherwise wait for its registration (docs/SEMANTICS.md, "Many nodes").
+    m = mounter(config=tiers_config(tmp_path / "c.toml", store.as_uri(),
+                                    faults={"down_file": str(down)}, upload_concurrency=1,
+                                    register_at_mount=True))
     down.touch()  # after the mount: a store that is down at mount time fails the mount
     (m.path / "a.pt").write_bytes(b"a" * 1000)
     # Poll (with a deadline) for the first failed attempt to be reported.

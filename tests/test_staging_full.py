@@ -244,8 +244,9 @@ def test_store_down_full_staging_gives_enospc_after_stall_timeout(rig: Rig) -> N
     store = rig.base / "store"
     store.mkdir()
     down = rig.base / "store-down"
+    # Registered at mount: the store is down before the first write (docs/SEMANTICS.md).
     cfg = tiers_config(rig.base / "c.toml", store.as_uri(), write_stall_timeout="5s",
-                       faults={"down_file": down})
+                       faults={"down_file": down}, register_at_mount=True)
     m = rig.mounter("down", staging=staging, config=cfg)
     down.touch()
 

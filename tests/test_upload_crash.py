@@ -67,7 +67,8 @@ class Store(Protocol):
     kind: str
 
     def config(self, path: Path, *, faults: dict[str, Any] | None = None,
-               upload_concurrency: int = 2, part_concurrency: int = 2) -> Path: ...
+               upload_concurrency: int = 2, part_concurrency: int = 2,
+               **settings: Any) -> Path: ...
     def files(self) -> dict[str, int]: ...
     def dirs(self) -> set[str]: ...
     def read(self, key: str) -> bytes: ...
@@ -86,11 +87,12 @@ class S3Store:
         self.client = self.server.client()
 
     def config(self, path: Path, *, faults: dict[str, Any] | None = None,
-               upload_concurrency: int = 2, part_concurrency: int = 2) -> Path:
+               upload_concurrency: int = 2, part_concurrency: int = 2,
+               **settings: Any) -> Path:
         return tiers_config(
             path, f"s3://{self.bucket}/{PREFIX}", f'endpoint_url = "{self.server.endpoint}"',
             f"part_size = {PART_SIZE}", f"part_concurrency = {part_concurrency}",
-            faults=faults, upload_concurrency=upload_concurrency)
+            faults=faults, upload_concurrency=upload_concurrency, **settings)
 
     def _objects(self) -> dict[str, int]:
         out = {}
@@ -152,9 +154,10 @@ class FileStore:
     kind: str = "file"
 
     def config(self, path: Path, *, faults: dict[str, Any] | None = None,
-               upload_concurrency: int = 2, part_concurrency: int = 2) -> Path:
+               upload_concurrency: int = 2, part_concurrency: int = 2,
+               **settings: Any) -> Path:
         return tiers_config(path, self.root.as_uri(), faults=faults,
-                            upload_concurrency=upload_concurrency)
+                            upload_concurrency=upload_concurrency, **settings)
 
     def _walk(self) -> Iterator[tuple[str, bool]]:
         for dirpath, dirnames, filenames in os.walk(self.root):
@@ -311,7 +314,9 @@ def daemon_log(m: Mount) -> str:
 @pytest.mark.both_modes
 def test_kill_before_upload(store: Store, mounter: Mounter, tmp_path: Path) -> None:
     down = tmp_path / "store-down"
-    m = mounter("before", config=store.config(tmp_path / "c.toml", faults={"down_file": down}))
+    # Registered at mount: the store is down before the first write (docs/SEMANTICS.md).
+    m = mounter("before", config=store.config(tmp_path / "c.toml", faults={"down_file": down},
+                                              register_at_mount=True))
     down.touch()  # the store was up for the mount's own check; now it is down
     ckpt = Checkpoint()
     write_step(m, ckpt, 100)
@@ -399,7 +404,8 @@ def test_kill_after_put_before_journal(kind: str, puts: int, request: pytest.Fix
     store: Store = request.getfixturevalue(f"{kind}_store")
     down = tmp_path / "store-down"
     drill = store.config(tmp_path / "drill.toml", upload_concurrency=1,
-                         faults={"down_file": down, "kill_after_puts": puts})
+                         faults={"down_file": down, "kill_after_puts": puts},
+                         register_at_mount=True)  # the store is down before the first write
     m = mounter("after", config=drill)
     # Everything is closed before the first put (the store is down meanwhile), so that the
     # daemon dies with every file closed and nothing else in flight.

@@ -298,7 +298,9 @@ def write_while_down(m: Mount, datas: dict[str, bytes]) -> dict[str, Any]:
 
 def test_outage_down_file(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
     down = tmp_path / "store-is-down"
-    m = mounter("down", config=bucket.config(tmp_path / "c.toml", faults={"down_file": down}))
+    # Registered at mount: the store is down before the first write (docs/SEMANTICS.md).
+    m = mounter("down", config=bucket.config(tmp_path / "c.toml", faults={"down_file": down},
+                                             register_at_mount=True))
     down.touch()
     t_down = time.monotonic()
     datas = {f"step_{i}/model.pt": os.urandom(100_000 * i) for i in range(1, 5)}
