@@ -22,6 +22,9 @@ Invariants:
   aborted on any failure. (boto3's managed copy drops the user metadata when it goes
   multipart: s3transfer does not pass MetadataDirective on.)
 - A pinned copy (``if_etag``) sends CopySourceIfMatch: a 412 is ``PreconditionFailed``.
+- Tags (``ObjectInfo.etag``, what puts and copies return, ``if_etag``) are ETags in their
+  quoted form, ``"..."``, whatever the server sent: SeaweedFS answers a CopyObject's and an
+  UploadPartCopy's ETag unquoted while its HEAD and listings quote it (``_tag``).
 - A copy of an object onto itself (``promote``, an in-place storage-class transition) uses
   MetadataDirective=REPLACE with the metadata the HEAD read, pinned to its ETag: some servers
   (SeaweedFS) refuse a self-copy with COPY whatever else changes.
@@ -238,8 +241,7 @@ class S3Tier(Tier):
                 reply = await self._multipart(full, fd, size, meta, progress)
         finally:
             os.close(fd)
-        etag = reply.get("ETag")
-        return str(etag) if etag else None
+        return _tag(reply.get("ETag"))
 
     async def _multipart(
         self, full: str, fd: int, size: int, meta: ObjectMeta, progress: Progress | None
@@ -324,7 +326,7 @@ class S3Tier(Tier):
                         if_tag is not None and code in _MISSING_CODES):
                     raise PreconditionFailed(f"{self.url}: {key}: {code}") from None
                 raise
-            return str(reply["ETag"])
+            return _tag(reply["ETag"]) or ""
 
         tag: str = await self._call(put)
         return tag
@@ -332,7 +334,7 @@ class S3Tier(Tier):
     async def get_small(self, key: str) -> tuple[bytes, str]:
         def get() -> tuple[bytes, str]:
             reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return reply["Body"].read(), str(reply["ETag"])
+            return reply["Body"].read(), _tag(reply["ETag"]) or ""
 
         result: tuple[bytes, str] = await self._call(get)
         return result
@@ -366,7 +368,7 @@ class S3Tier(Tier):
             state = "ongoing" if 'ongoing-request="true"' in restore else "done"
         return ObjectInfo(key, int(reply.get("ContentLength", 0)), meta,
                           reply.get("StorageClass", "STANDARD"), state,
-                          etag=reply.get("ETag"))
+                          etag=_tag(reply.get("ETag")))
 
     async def list_dir(self, prefix: str) -> builtins.list[ObjectInfo]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -384,7 +386,7 @@ class S3Tier(Tier):
                     continue  # the directory's own marker (or a stray "a//" key)
                 found[rel] = ObjectInfo(rel, int(obj["Size"]), ObjectMeta(),
                                         obj.get("StorageClass", "STANDARD"), meta_known=False,
-                                        etag=obj.get("ETag"))
+                                        etag=_tag(obj.get("ETag")))
         return [found[k] for k in sorted(found)]
 
     async def restore(self, key: str, days: int) -> None:
@@ -420,7 +422,7 @@ class S3Tier(Tier):
                 kind = Kind.DIRECTORY if rel.endswith("/") else Kind.FILE
                 found.append(ObjectInfo(rel, int(obj["Size"]), ObjectMeta(kind=kind),
                                         obj.get("StorageClass", "STANDARD"), meta_known=False,
-                                        etag=obj.get("ETag")))
+                                        etag=_tag(obj.get("ETag"))))
         return found
 
     async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
@@ -437,7 +439,9 @@ class S3Tier(Tier):
             head = await self._call(self.client.head_object, Bucket=bucket, Key=source)
         except ObjectMissing:
             raise ObjectMissing(f"{self.url}: {source}: no such key") from None
-        etag = str(head["ETag"])
+        etag = _tag(head["ETag"]) or ""
+        if if_etag is not None:
+            if_etag = _tag(if_etag)
         if if_etag is not None and etag != if_etag:
             raise PreconditionFailed(f"{self.url}: {source}: changed (ETag {etag}, "
                                      f"expected {if_etag})")
@@ -463,8 +467,7 @@ class S3Tier(Tier):
             # Rewritten while we copied (between HEAD and copy, or between parts): the caller
             # asked for whatever is there, so a retry will do.
             raise StoreUnavailable(f"{self.url}: {source} changed during its copy") from None
-        new = reply.get("CopyObjectResult", {}).get("ETag")
-        return str(new) if new else None
+        return _tag(reply.get("CopyObjectResult", {}).get("ETag"))
 
     async def _multipart_copy(self, bucket: str, source: str, full: str, size: int,
                               head: dict[str, Any], etag: str, args: dict[str, Any]) -> str | None:
@@ -509,8 +512,7 @@ class S3Tier(Tier):
         except BaseException:
             await self._abort(full, upload_id, "copy to")
             raise
-        new = done.get("ETag")
-        return str(new) if new else None
+        return _tag(done.get("ETag"))
 
     async def delete(self, key: str) -> None:
         await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
@@ -527,3 +529,14 @@ def _content_args(head: dict[str, Any]) -> dict[str, Any]:
         if head.get(name):
             args[name] = head[name]
     return args
+
+
+def _tag(etag: object) -> str | None:
+    """An ETag as the tier's tag: quoted (``"..."``, as HEAD and listings send it), whether
+    the server quoted it or not (SeaweedFS does not in CopyObject/UploadPartCopy results)."""
+    if not etag:
+        return None
+    text = str(etag)
+    if text.startswith(('"', 'W/"')):
+        return text
+    return f'"{text}"'
