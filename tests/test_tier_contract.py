@@ -404,3 +404,18 @@ def test_seaweed_uses_loopback_only(seaweed: Seaweed) -> None:
                  if remote == "0.0.0.0:0"}
     ports = set(seaweed.ports.values())
     assert listening == ports | {p + 10_000 for p in ports}, (listening, seaweed.ports)
+
+
+async def test_s3_empty_put_does_not_stall_the_next(s3_endpoint: S3Server | Seaweed) -> None:
+    """SeaweedFS answers an empty PUT without "100 Continue"; botocore then misread the next
+    ``Expect: 100-continue`` PUT's reply on that pooled connection and stalled for the read
+    timeout (60 s) before a hidden retry (boto/botocore#3755). One connection, so the second
+    PUT surely reuses it."""
+    t = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/run1", threads=1)
+    for attempt in range(3):
+        started = trio.current_time()
+        await t.put_entry(f"d{attempt}/", ObjectMeta(Kind.DIRECTORY, 0o755))  # empty body
+        tag = await t.put_small(f"f{attempt}", b"x" * 100_000)
+        assert trio.current_time() - started < 5, attempt
+        assert await t.get_small(f"f{attempt}") == (b"x" * 100_000, tag)
+    await t.aclose()

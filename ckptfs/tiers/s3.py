@@ -25,6 +25,11 @@ Invariants:
 - Tags (``ObjectInfo.etag``, what puts and copies return, ``if_etag``) are ETags in their
   quoted form, ``"..."``, whatever the server sent: SeaweedFS answers a CopyObject's and an
   UploadPartCopy's ETag unquoted while its HEAD and listings quote it (``_tag``).
+- No request carries ``Expect: 100-continue`` (``_drop_expect``). botocore keeps the status
+  line of a reply that came without "100 Continue" (a server answers an empty PUT at once:
+  SeaweedFS does, for a directory marker or an empty file) on the pooled connection, and
+  reads the next ``Expect`` request's reply against it: a stall of ``read_timeout`` (60 s),
+  then a hidden retry (boto/botocore#3755). The cost: a refused PUT has sent its body.
 - A copy of an object onto itself (``promote``, an in-place storage-class transition) uses
   MetadataDirective=REPLACE with the metadata the HEAD read, pinned to its ETag: some servers
   (SeaweedFS) refuse a self-copy with COPY whatever else changes.
@@ -146,6 +151,7 @@ class S3Tier(Tier):
                 request_checksum_calculation="when_supported",
             ),
         )
+        self.client.meta.events.register("before-send.s3", _drop_expect)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -519,6 +525,12 @@ class S3Tier(Tier):
 
     async def aclose(self) -> None:
         self.client.close()
+
+
+def _drop_expect(request: Any, **_: Any) -> None:
+    """``before-send``: no ``Expect: 100-continue`` (see the module docstring). Returns None:
+    anything else would be taken for the reply."""
+    request.headers.pop("Expect", None)
 
 
 def _content_args(head: dict[str, Any]) -> dict[str, Any]:
