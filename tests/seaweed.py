@@ -4,7 +4,7 @@ session (the ``seaweed`` fixture in conftest.py), beside moto (tests/s3server.py
 What ``start()`` guarantees:
 - Loopback only. ``weed`` is started with ``-ip=127.0.0.1 -ip.bind=127.0.0.1`` (by default it
   binds every interface and advertises the machine's address) and ``-master.telemetry=false``
-  (by default it reports to telemetry.seaweedfs.com); ``listening_sockets()`` lets a test
+  (by default it reports to telemetry.seaweedfs.com); ``sockets()`` lets a test
   check that every socket it has is on 127.0.0.1.
 - Every flag on every start (``FLAGS`` plus the ports and paths): ``weed mini`` saves its
   flags in ``DIR/mini.options`` and a later start with fewer flags would lose the others.
@@ -180,7 +180,6 @@ class Seaweed:
         sweep_leftovers()
         self.directory = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
         (self.directory / OWNER).write_text(str(os.getpid()))
-        (self.directory / "data").mkdir()
         (self.directory / "log").mkdir()
         (self.directory / "s3.json").write_text(json.dumps({"identities": [{
             "name": "ckptfs-tests",
@@ -189,6 +188,9 @@ class Seaweed:
         atexit.register(self.stop)
         for attempt in range(1, attempts + 1):
             self.ports = dict(zip(COMPONENTS, pick_ports(len(COMPONENTS)), strict=True))
+            data = self.directory / "data"  # nothing of an attempt on other ports
+            shutil.rmtree(data, ignore_errors=True)
+            data.mkdir()
             with self.log.open("ab") as log:
                 self.process = subprocess.Popen(
                     [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *self.command()],
@@ -223,7 +225,7 @@ class Seaweed:
                     raise _Exited from None
                 time.sleep(0.1)
 
-    def listening_sockets(self) -> list[tuple[str, str]]:
+    def sockets(self) -> list[tuple[str, str]]:
         """(local, remote) address of every TCP/UDP socket ``weed`` has open, IPv4 and IPv6,
         as ``ip:port`` (for a test that it talks to loopback only)."""
         assert self.process is not None

@@ -395,7 +395,7 @@ async def test_seaweed_refuses_wrong_credentials(seaweed: Seaweed) -> None:
 def test_seaweed_uses_loopback_only(seaweed: Seaweed) -> None:
     """Every socket ``weed`` has is on 127.0.0.1, to 127.0.0.1 (listening: to nothing), and
     no port it listens on is the admin server's machine-wide default (23646)."""
-    sockets = seaweed.listening_sockets()
+    sockets = seaweed.sockets()
     assert sockets
     for local, remote in sockets:
         assert local.startswith("127.0.0.1:"), sockets
