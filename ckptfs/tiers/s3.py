@@ -22,6 +22,14 @@ Invariants:
   aborted on any failure. (boto3's managed copy drops the user metadata when it goes
   multipart: s3transfer does not pass MetadataDirective on.)
 - A pinned copy (``if_etag``) sends CopySourceIfMatch: a 412 is ``PreconditionFailed``.
+- Tags (``ObjectInfo.etag``, what puts and copies return, ``if_etag``) are ETags in their
+  quoted form, ``"..."``, whatever the server sent: SeaweedFS answers a CopyObject's and an
+  UploadPartCopy's ETag unquoted while its HEAD and listings quote it (``_tag``).
+- No request carries ``Expect: 100-continue`` (``_drop_expect``). botocore keeps the status
+  line of a reply that came without "100 Continue" (a server answers an empty PUT at once:
+  SeaweedFS does, for a directory marker or an empty file) on the pooled connection, and
+  reads the next ``Expect`` request's reply against it: a stall of ``read_timeout`` (60 s),
+  then a hidden retry (boto/botocore#3755). The cost: a refused PUT has sent its body.
 - A copy of an object onto itself (``promote``, an in-place storage-class transition) uses
   MetadataDirective=REPLACE with the metadata the HEAD read, pinned to its ETag: some servers
   (SeaweedFS) refuse a self-copy with COPY whatever else changes.
@@ -143,6 +151,7 @@ class S3Tier(Tier):
                 request_checksum_calculation="when_supported",
             ),
         )
+        self.client.meta.events.register("before-send.s3", _drop_expect)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -238,8 +247,7 @@ class S3Tier(Tier):
                 reply = await self._multipart(full, fd, size, meta, progress)
         finally:
             os.close(fd)
-        etag = reply.get("ETag")
-        return str(etag) if etag else None
+        return _tag(reply.get("ETag"))
 
     async def _multipart(
         self, full: str, fd: int, size: int, meta: ObjectMeta, progress: Progress | None
@@ -324,7 +332,7 @@ class S3Tier(Tier):
                         if_tag is not None and code in _MISSING_CODES):
                     raise PreconditionFailed(f"{self.url}: {key}: {code}") from None
                 raise
-            return str(reply["ETag"])
+            return _tag(reply["ETag"]) or ""
 
         tag: str = await self._call(put)
         return tag
@@ -332,7 +340,7 @@ class S3Tier(Tier):
     async def get_small(self, key: str) -> tuple[bytes, str]:
         def get() -> tuple[bytes, str]:
             reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return reply["Body"].read(), str(reply["ETag"])
+            return reply["Body"].read(), _tag(reply["ETag"]) or ""
 
         result: tuple[bytes, str] = await self._call(get)
         return result
@@ -366,7 +374,7 @@ class S3Tier(Tier):
             state = "ongoing" if 'ongoing-request="true"' in restore else "done"
         return ObjectInfo(key, int(reply.get("ContentLength", 0)), meta,
                           reply.get("StorageClass", "STANDARD"), state,
-                          etag=reply.get("ETag"))
+                          etag=_tag(reply.get("ETag")))
 
     async def list_dir(self, prefix: str) -> builtins.list[ObjectInfo]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -384,7 +392,7 @@ class S3Tier(Tier):
                     continue  # the directory's own marker (or a stray "a//" key)
                 found[rel] = ObjectInfo(rel, int(obj["Size"]), ObjectMeta(),
                                         obj.get("StorageClass", "STANDARD"), meta_known=False,
-                                        etag=obj.get("ETag"))
+                                        etag=_tag(obj.get("ETag")))
         return [found[k] for k in sorted(found)]
 
     async def restore(self, key: str, days: int) -> None:
@@ -420,7 +428,7 @@ class S3Tier(Tier):
                 kind = Kind.DIRECTORY if rel.endswith("/") else Kind.FILE
                 found.append(ObjectInfo(rel, int(obj["Size"]), ObjectMeta(kind=kind),
                                         obj.get("StorageClass", "STANDARD"), meta_known=False,
-                                        etag=obj.get("ETag")))
+                                        etag=_tag(obj.get("ETag"))))
         return found
 
     async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
@@ -437,7 +445,9 @@ class S3Tier(Tier):
             head = await self._call(self.client.head_object, Bucket=bucket, Key=source)
         except ObjectMissing:
             raise ObjectMissing(f"{self.url}: {source}: no such key") from None
-        etag = str(head["ETag"])
+        etag = _tag(head["ETag"]) or ""
+        if if_etag is not None:
+            if_etag = _tag(if_etag)
         if if_etag is not None and etag != if_etag:
             raise PreconditionFailed(f"{self.url}: {source}: changed (ETag {etag}, "
                                      f"expected {if_etag})")
@@ -463,8 +473,7 @@ class S3Tier(Tier):
             # Rewritten while we copied (between HEAD and copy, or between parts): the caller
             # asked for whatever is there, so a retry will do.
             raise StoreUnavailable(f"{self.url}: {source} changed during its copy") from None
-        new = reply.get("CopyObjectResult", {}).get("ETag")
-        return str(new) if new else None
+        return _tag(reply.get("CopyObjectResult", {}).get("ETag"))
 
     async def _multipart_copy(self, bucket: str, source: str, full: str, size: int,
                               head: dict[str, Any], etag: str, args: dict[str, Any]) -> str | None:
@@ -509,14 +518,19 @@ class S3Tier(Tier):
         except BaseException:
             await self._abort(full, upload_id, "copy to")
             raise
-        new = done.get("ETag")
-        return str(new) if new else None
+        return _tag(done.get("ETag"))
 
     async def delete(self, key: str) -> None:
         await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
 
     async def aclose(self) -> None:
         self.client.close()
+
+
+def _drop_expect(request: Any, **_: Any) -> None:
+    """``before-send``: no ``Expect: 100-continue`` (see the module docstring). Returns None:
+    anything else would be taken for the reply."""
+    request.headers.pop("Expect", None)
 
 
 def _content_args(head: dict[str, Any]) -> dict[str, Any]:
@@ -527,3 +541,14 @@ def _content_args(head: dict[str, Any]) -> dict[str, Any]:
         if head.get(name):
             args[name] = head[name]
     return args
+
+
+def _tag(etag: object) -> str | None:
+    """An ETag as the tier's tag: quoted (``"..."``, as HEAD and listings send it), whether
+    the server quoted it or not (SeaweedFS does not in CopyObject/UploadPartCopy results)."""
+    if not etag:
+        return None
+    text = str(etag)
+    if text.startswith(('"', 'W/"')):
+        return text
+    return f'"{text}"'
