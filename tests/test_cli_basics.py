@@ -1,0 +1,74 @@
+"""The everyday CLI contract (issue 20, items 12 and 14): --version/-h, case-insensitive log
+levels, exit codes of status, and paths that do not exist."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ckptfs import __version__
+from tests.mounting import Mounter, ckptfs, daemon_gone
+from tests.test_cli_errors import assert_user_error
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str) -> None:
+    done = ckptfs(flag)
+    assert done.stdout.strip() == f"ckptfs {__version__}" and done.stderr == ""
+
+
+@pytest.mark.parametrize("argv", [["-h"], ["--help"], ["mount", "-h"], ["status", "-h"]])
+def test_short_help(argv: list[str]) -> None:
+    done = ckptfs(*argv)
+    assert "Usage:" in done.stdout and done.returncode == 0
+
+
+@pytest.mark.mount
+def test_log_level_is_case_insensitive(mounter: Mounter) -> None:
+    m = mounter(extra=["--log-level", "WARNING"])
+    assert json.loads(ckptfs("status", m.path, "--json").stdout)["mountpoint"] == str(m.path)
+
+
+@pytest.mark.mount
+def test_sync_and_evict_of_a_path_that_is_not_there(mounter: Mounter) -> None:
+    m = mounter()
+    for command in ("sync", "evict"):
+        done = ckptfs(command, m.path / "step_9", check=False)   # a typo of step_90
+        assert_user_error(done, str(m.path / "step_9"), "no such file or directory")
+
+
+def test_status_json_with_nothing_mounted_is_an_empty_list() -> None:
+    """Seen from a mount namespace of its own, where every ckptfs mount is detached."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    script = ("awk '$3 == \"fuse.ckptfs\" {print $2}' /proc/mounts | "
+              "while read -r m; do umount -l \"$(printf '%b' \"$m\")\"; done; "
+              'exec "$@"')
+    done = subprocess.run(
+        [unshare, "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+         sys.executable, "-m", "ckptfs", "status", "--json"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and json.loads(done.stdout) == [], done
+
+
+@pytest.mark.mount
+def test_status_exits_non_zero_when_a_daemon_does_not_answer(mounter: Mounter) -> None:
+    m = mounter()
+    pid = m.pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not daemon_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done = ckptfs("status", "--json", check=False)   # every mount: this one is dead
+    assert done.returncode == 1, done
+    reports = {r["mountpoint"]: r for r in json.loads(done.stdout)}
+    assert "error" in reports[str(m.path)]
+    assert str(m.path) in done.stderr and "daemon.log" in done.stderr, done.stderr
