@@ -68,6 +68,8 @@ ConfigOpt = Annotated[
 READY_TIMEOUT = 120.0
 DAEMON_EXIT_TIMEOUT = 120.0
 LAZY_EXIT_WAIT = 10.0  # seconds umount --lazy waits for the daemon before saying it stays
+# Without a terminal, sync and umount print a progress line this often (seconds).
+BATCH_PROGRESS_EVERY = 15.0
 EXIT_LEFT_BEHIND = 3  # umount --strict: files were left not uploaded
 
 
@@ -382,17 +384,28 @@ def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: 
 
     columns = (TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    started = time.monotonic()
+    last_line = started
     with _progress(*columns) as bar:
         task = bar.add_task(what, total=None, note="")
 
         def show(reply: dict[str, Any]) -> None:
+            nonlocal last_line
             total = int(reply.get("total_bytes", 0))
+            done = total - int(reply["pending_bytes"])
             errors = reply.get("errors") or []
             waiting = reply.get("waiting") or []
-            bar.update(task, total=total or None, completed=total - int(reply["pending_bytes"]),
-                       note=f"{reply['pending_files']} files left"
-                       + (f"; retrying: {errors[0]}" if errors else "")
-                       + (f"; {waiting[0]}" if waiting and not errors else ""))
+            note = (f"{reply['pending_files']} files left"
+                    + (f"; retrying: {errors[0]}" if errors else "")
+                    + (f"; {waiting[0]}" if waiting and not errors else ""))
+            bar.update(task, total=total or None, completed=done, note=note)
+            now = time.monotonic()
+            if bar.disable and now - last_line >= BATCH_PROGRESS_EVERY:
+                # No terminal (a batch job's log): a line now and then instead of a bar.
+                last_line = now
+                rate = done / max(now - started, 1e-9)
+                print(f"ckptfs: {what}: {_human(done)} of {_human(total)} "
+                      f"({_human(rate)}/s), {note}", file=sys.stderr, flush=True)
 
         return client.sync(mountpoint, rel, timeout, show)
 

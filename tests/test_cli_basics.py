@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,19 @@ def test_status_exits_non_zero_when_a_daemon_does_not_answer(mounter: Mounter) -
     reports = {r["mountpoint"]: r for r in json.loads(done.stdout)}
     assert "error" in reports[str(m.path)]
     assert str(m.path) in done.stderr and "daemon.log" in done.stderr, done.stderr
+
+
+@pytest.mark.mount
+def test_sync_without_a_terminal_prints_progress_lines(mounter: Mounter, tmp_path: Path) -> None:
+    """A batch job's log gets a line every 15 s (bytes, rate, files left), not a bar."""
+    from tests.test_ops_status import file_tier_config
+
+    store = tmp_path / "store"
+    store.mkdir()
+    # 64 KiB/s: 1.25 MiB takes 20 s to upload.
+    m = mounter(config=file_tier_config(tmp_path / "c.toml", store, bandwidth=64 * 1024))
+    (m.path / "slow.pt").write_bytes(b"s" * (1280 * 1024))
+    done = ckptfs("sync", m.path, "--timeout", "120")   # stdin/stdout/stderr: not a tty
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ckptfs: committing")]
+    assert lines, done.stderr
+    assert "MiB" in lines[0] and "/s" in lines[0] and "files left" in lines[0], lines
