@@ -173,6 +173,7 @@ def mount(
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
         _spawn_daemon(mountpoint, config_file, overrides)
+        print(_ready_line(config, mountpoint))
         return
     _serve_foreground(config, mountpoint, ready_fd)
 
@@ -213,6 +214,20 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
     message = _read_ready(read_end, proc)
     if message != "ok":
         raise UserError(message.removeprefix("error: "), exit_code=1)
+
+
+def _ready_line(config: Config, mountpoint: Path) -> str:
+    """The one line a successful mount prints: where the mount is and where its bytes go."""
+    tiers = [f"hot {config.staging_dir}"]
+    for tier in config.tier:
+        if tier.url is None:
+            continue
+        where = f"{tier.name} {tier.url}"
+        if tier.endpoint_url:
+            where += f" (endpoint {tier.endpoint_url})"
+        tiers.append(where)
+    ro = " (read-only)" if config.read_only else ""
+    return f"ckptfs: {os.path.abspath(mountpoint)} ready{ro}: {', '.join(tiers)}"
 
 
 def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
