@@ -107,7 +107,10 @@ def data_mount(base: Path, name: str, passthrough: str) -> Iterator[CkptfsMount]
     down = base / f"{name}-down"
     down.unlink(missing_ok=True)
     cfg = ckptfs_config(base / f"{name}-staging", store_dir=base / f"{name}-store",
-                        extra=f'passthrough = "{passthrough}"\nlog_level = "warning"',
+                        # Registered at mount: with the store held down, a node that
+                        # registers at its first change would wait for the store there.
+                        extra=f'passthrough = "{passthrough}"\nlog_level = "warning"\n'
+                              'register_at_mount = true',
                         faults=f'down_file = "{down}"')
     (base / f"{name}-store").mkdir(parents=True, exist_ok=True)
     with ckptfs_mount(base, name, cfg) as m:
