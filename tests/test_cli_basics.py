@@ -89,3 +89,27 @@ def test_sync_without_a_terminal_prints_progress_lines(mounter: Mounter, tmp_pat
     lines = [line for line in done.stderr.splitlines() if line.startswith("ckptfs: committing")]
     assert lines, done.stderr
     assert "MiB" in lines[0] and "/s" in lines[0] and "files left" in lines[0], lines
+
+
+@pytest.mark.mount
+def test_the_daemon_raises_its_open_file_limit(mounter: Mounter, tmp_path: Path) -> None:
+    """Started with a soft limit of 1024 (a common default), the daemon runs at its hard
+    limit: a checkpoint of thousands of open shards must not meet EMFILE."""
+    import resource
+
+    prlimit = shutil.which("prlimit")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if prlimit is None or hard == resource.RLIM_INFINITY or hard <= 1024:
+        pytest.skip("needs prlimit(1) and a finite hard limit above 1024")
+    path = tmp_path / "mnt"
+    path.mkdir()
+    from tests.mounting import Mount
+
+    mounter.mounts.append(Mount(path, tmp_path / "st", tmp_path / "store"))
+    subprocess.run([prlimit, f"--nofile=1024:{hard}", sys.executable, "-m", "ckptfs", "mount",
+                    str(path), "--staging", str(tmp_path / "st"), "--store",
+                    str(tmp_path / "store")], check=True, capture_output=True, timeout=120)
+    pid = mounter.mounts[-1].pid
+    limits = Path(f"/proc/{pid}/limits").read_text().splitlines()
+    row = next(line for line in limits if line.startswith("Max open files")).split()
+    assert int(row[3]) == hard, row   # soft limit, as the hard one
