@@ -37,7 +37,27 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode=None,
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from ckptfs import __version__
+
+        print(f"ckptfs {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", "-V", help="Print the version and exit.", callback=_show_version,
+        is_eager=True)] = False,
+) -> None:
+    """Checkpoint filesystem: write to local NVMe, upload to shared storage in the
+    background."""
 
 ConfigOpt = Annotated[
     Path | None,
@@ -48,6 +68,8 @@ ConfigOpt = Annotated[
 READY_TIMEOUT = 120.0
 DAEMON_EXIT_TIMEOUT = 120.0
 LAZY_EXIT_WAIT = 10.0  # seconds umount --lazy waits for the daemon before saying it stays
+# Without a terminal, sync and umount print a progress line this often (seconds).
+BATCH_PROGRESS_EVERY = 15.0
 EXIT_LEFT_BEHIND = 3  # umount --strict: files were left not uploaded
 
 
@@ -107,7 +129,8 @@ def mount(
         "--allow-other/--no-allow-other", help="Let other users use the mount.",
         show_default=False)] = None,
     log_level: Annotated[str | None, typer.Option(
-        help="debug, info, warning or error.", show_default=False)] = None,
+        help="debug, info, warning or error (any case). Default: info.", metavar="LEVEL",
+        show_default=False)] = None,
     read_only: Annotated[bool | None, typer.Option(
         "--read-only/--read-write", help="A reader's mount: no change, no upload, no "
         "retention, never waited for by other nodes (-o ro).", show_default=False)] = None,
@@ -115,10 +138,21 @@ def mount(
         "--foreground", "-f", help="Serve in this process (systemd, debugging).")] = False,
     options: Annotated[list[str] | None, typer.Option(
         "--option", "-o", help="Config keys as mount options: key=value,... "
-        "(as in fstab; see docs/CONFIGURATION.md).", show_default=False)] = None,
+        "(as in fstab; see docs/CONFIGURATION.md).", metavar="KEY=VALUE,...",
+        show_default=False)] = None,
     ready_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
 ) -> None:
-    """Mount ckptfs at MOUNTPOINT; returns once the mount is ready."""
+    """Mount ckptfs at MOUNTPOINT; returns once the mount is ready.
+
+    Without options: staging in /var/lib/ckptfs/staging, the warm tier (the store) in
+    /var/lib/ckptfs/store, the hot tier keeping the last 3 checkpoints on NVMe. Every
+    setting and its default: docs/CONFIGURATION.md.
+
+    \b
+    Example:
+      ckptfs mount /ckpt --staging /nvme/ckptfs --store s3://ckpt/run1 \\
+          -o upload_concurrency=8,passthrough=auto
+    """
     from ckptfs import mounthelper
 
     parsed = mounthelper.parse_options(options or [])
@@ -139,6 +173,7 @@ def mount(
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
         _spawn_daemon(mountpoint, config_file, overrides)
+        print(_ready_line(config, mountpoint))
         return
     _serve_foreground(config, mountpoint, ready_fd)
 
@@ -179,6 +214,20 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
     message = _read_ready(read_end, proc)
     if message != "ok":
         raise UserError(message.removeprefix("error: "), exit_code=1)
+
+
+def _ready_line(config: Config, mountpoint: Path) -> str:
+    """The one line a successful mount prints: where the mount is and where its bytes go."""
+    tiers = [f"hot {config.staging_dir}"]
+    for tier in config.tier:
+        if tier.url is None:
+            continue
+        where = f"{tier.name} {tier.url}"
+        if tier.endpoint_url:
+            where += f" (endpoint {tier.endpoint_url})"
+        tiers.append(where)
+    ro = " (read-only)" if config.read_only else ""
+    return f"ckptfs: {os.path.abspath(mountpoint)} ready{ro}: {', '.join(tiers)}"
 
 
 def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
@@ -333,7 +382,7 @@ def sync(
         callback=_seconds)] = None,
 ) -> None:
     """Wait until everything closed so far (under PATH) is committed to the warm tier."""
-    entry, rel = client.locate(path)
+    entry, rel = client.locate(_existing(path))
     if not _sync_with_progress(entry.mountpoint, rel, timeout, "committing"):
         raise UserError(f"not everything under {path} was committed within {timeout:.0f}s "
                         "(see 'ckptfs status')", exit_code=1)
@@ -350,15 +399,28 @@ def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: 
 
     columns = (TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    started = time.monotonic()
+    last_line = started
     with _progress(*columns) as bar:
         task = bar.add_task(what, total=None, note="")
 
         def show(reply: dict[str, Any]) -> None:
+            nonlocal last_line
             total = int(reply.get("total_bytes", 0))
+            done = total - int(reply["pending_bytes"])
             errors = reply.get("errors") or []
-            bar.update(task, total=total or None, completed=total - int(reply["pending_bytes"]),
-                       note=f"{reply['pending_files']} files left"
-                       + (f"; retrying: {errors[0]}" if errors else ""))
+            waiting = reply.get("waiting") or []
+            note = (f"{reply['pending_files']} files left"
+                    + (f"; retrying: {errors[0]}" if errors else "")
+                    + (f"; {waiting[0]}" if waiting and not errors else ""))
+            bar.update(task, total=total or None, completed=done, note=note)
+            now = time.monotonic()
+            if bar.disable and now - last_line >= BATCH_PROGRESS_EVERY:
+                # No terminal (a batch job's log): a line now and then instead of a bar.
+                last_line = now
+                rate = done / max(now - started, 1e-9)
+                print(f"ckptfs: {what}: {_human(done)} of {_human(total)} "
+                      f"({_human(rate)}/s), {note}", file=sys.stderr, flush=True)
 
         return client.sync(mountpoint, rel, timeout, show)
 
@@ -368,7 +430,7 @@ def evict(
     path: Annotated[Path, typer.Argument(help="A file or directory on a ckptfs mount.")],
 ) -> None:
     """Drop the NVMe copies of committed files under PATH (they stay readable from the store)."""
-    entry, rel = client.locate(path)
+    entry, rel = client.locate(_existing(path))
     reply = client.evict(entry.mountpoint, rel)
     print(f"evicted {reply['evicted_files']} files, freed {_human(reply['freed_bytes'])}")
     if reply.get("kept_count"):
@@ -449,6 +511,9 @@ def status(
     else:
         targets = [m.mountpoint for m in client.ckptfs_mounts()]
         if not targets:
+            if as_json:
+                print("[]")
+                return
             raise UserError("no ckptfs mount is active")
     reports = []
     for target in targets:
@@ -458,8 +523,10 @@ def status(
             if mountpoint is not None:
                 raise UserError(str(exc)) from None
             reports.append({"mountpoint": target, "error": str(exc)})
+    silent = [r["mountpoint"] for r in reports if "error" in r]
     if as_json:
         print(json.dumps(reports if mountpoint is None else reports[0], indent=2))
+        _no_answer(silent)
         return
     from rich.console import Console
     from rich.table import Table
@@ -507,6 +574,7 @@ def status(
             if node["error"]:
                 table.add_row("coordination", node["error"])
         console.print(table)
+    _no_answer(silent)
 
 
 @app.command()
@@ -603,6 +671,22 @@ def retention(
     from ckptfs import retention_cli
 
     retention_cli.run_retention(mountpoint, config_path(config_file), not plan_only, as_json)
+
+
+def _no_answer(mountpoints: list[str]) -> None:
+    """Exit non-zero, after the report, when a daemon did not answer (monitoring relies on it)."""
+    if mountpoints:
+        raise UserError(f"no answer from the ckptfs daemon of {', '.join(mountpoints)}: see "
+                        "its log (<staging_dir>/daemon.log, or journalctl under systemd)",
+                        exit_code=1)
+
+
+def _existing(path: Path) -> Path:
+    """``path``, or a one-line error naming it: a typo must not sync or evict nothing and
+    say it succeeded."""
+    if not os.path.lexists(path):
+        raise UserError(f"{path}: no such file or directory")
+    return path
 
 
 def _human(n: float) -> str:

@@ -271,7 +271,8 @@ class Config(_Strict):
     # this long after its last file, if no other node writes to the store; 0: only the
     # later-checkpoint rule; "off": a marker is required (docs/RETENTION.md).
     checkpoint_settle: SettleTime = timedelta(minutes=10)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"],
+                         BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "info"
     fuse_workers: int = Field(default=64, ge=1, le=1024)
     # Prometheus endpoint (metrics.py): off unless a port is given.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)

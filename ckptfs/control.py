@@ -494,9 +494,11 @@ class ControlServer:
                 done = not outstanding and not pending
             else:
                 done = not pending
-            errors = [w.error for w in outstanding if w.error] + self._held()
+            # Failures are retried ("errors"); a marker held for other nodes is a normal wait.
+            errors = [w.error for w in outstanding if w.error]
             await _send(stream, {"pending_files": len(pending), "pending_bytes": remaining,
-                                 "total_bytes": max(total, remaining), "errors": errors[:3]})
+                                 "total_bytes": max(total, remaining), "errors": errors[:3],
+                                 "waiting": self._held()[:3]})
             if done:
                 await _send(stream, {"done": True})
                 return

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -184,6 +185,23 @@ async def open_warm_tier(config: Config) -> Tier:
     return tier
 
 
+def raise_nofile_limit() -> int:
+    """Raise the daemon's open-file limit to its hard limit (returns the new soft limit).
+
+    Every open file of the mount holds a staging descriptor, every upload and fetch another,
+    and every control-socket client one: a soft limit of 1024 (the usual default) would turn
+    a large checkpoint's opens into EMFILE long before the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+    return soft
+
+
 async def serve(
     config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[], None]
 ) -> None:
@@ -191,6 +209,7 @@ async def serve(
     # FUSE handlers run on the trio thread and share the GIL with upload threads; a short
     # switch interval keeps a write() from queueing 5 ms behind a busy upload thread.
     sys.setswitchinterval(0.0005)
+    raise_nofile_limit()
     # Before anything is mounted or registered: passthrough = on without what it needs fails
     # the mount here, with the missing piece (passthrough.py).
     passthrough = decide(config.passthrough, facts(pyfuse3))

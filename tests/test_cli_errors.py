@@ -476,7 +476,9 @@ def _mount_raw(mounter: Mounter, path: Path, *args: str | os.PathLike[str],
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stderr == "" and done.stdout == ""
+    # One line on success, naming the mount and its tiers; nothing on stderr.
+    assert done.stderr == "" and done.stdout.startswith(f"ckptfs: {path} ready: hot "), done
+    assert len(done.stdout.splitlines()) == 1, done
     assert is_mounted(path)
 
 
