@@ -147,6 +147,16 @@ def mounter_in(base: Path, passthrough: str = PASSTHROUGH) -> Iterator[Mounter]:
         m.teardown()
 
 
+def register_first(m: Mount) -> None:
+    """Make the mount's node register in the store now, with a change made from Python.
+
+    A node registers at its first change (coordination.py), which waits for the store. When
+    the store is moto inside the test process and the first change is torch.save's (its C++
+    open holds the GIL while the mount answers), moto cannot run and the two wait for each
+    other until the registration times out. A real store is another process: no such wait."""
+    os.utime(m.path)   # a SETATTR of the root: a change, and nothing for the store
+
+
 def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 30,
              every: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something true and return that; fail after ``timeout``."""

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptfs.tiers.base import CONTROL_PREFIX
-from tests.mounting import Mount, Mounter, ckptfs, status
+from tests.mounting import Mount, Mounter, ckptfs, register_first, status
 from tests.s3bucket import PREFIX, Bucket
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(600)]
@@ -128,6 +128,10 @@ def test_lazy_torch_load_fetches_only_what_it_reads(mounter: Mounter, bucket: Bu
     cfg = config(bucket, tmp_path, readahead_bytes=0, fetch_block_size=block)
     a = mounter("a", config=cfg)
     want = make_big_state_dict(seed=5)
+    # The node registers in the store at its first change, and the store (moto) runs in this
+    # process: torch.save's C++ open holds the GIL while it waits for the mount, so moto could
+    # not answer. A first change from Python (which lets the GIL go) registers the node.
+    register_first(a)
     torch.save(want, a.path / "ckpt_step_100.pt")
     size = os.path.getsize(a.path / "ckpt_step_100.pt")
     a.umount()  # waits for the upload

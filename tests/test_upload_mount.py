@@ -22,7 +22,15 @@ from typing import Any, Self
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted, status, wait_for
+from tests.mounting import (
+    Mount,
+    Mounter,
+    ckptfs,
+    is_mounted,
+    register_first,
+    status,
+    wait_for,
+)
 from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
@@ -111,6 +119,7 @@ def test_torch_save_returns_before_upload(mounter: Mounter, bucket: Bucket,
     m = mounter("torch", config=bucket.config(tmp_path / "c.toml",
                                               faults={"bandwidth": bandwidth}))
     names = [f"ckpt_step_{step}.pt" for step in (100, 200, 300)]
+    register_first(m)   # torch.save holds the GIL that in-process moto needs (mounting.py)
     tensors = {}
     for step, name in zip((100, 200, 300), names, strict=True):
         tensors[name] = torch.randn(16 * MiB)  # 64 MiB of float32
