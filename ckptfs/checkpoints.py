@@ -138,6 +138,10 @@ class LocalFile:
     checksum: str | None = None
     open: bool = False  # a handle is open on it (reading or writing)
     mtime: float | None = None  # the file's own mtime (seconds)
+    # When its writer last closed it here (None for a file only known from a store listing).
+    # The settle rule orders checkpoints by this, not by ``committed_at``: uploads run in
+    # parallel, so a later checkpoint's files can be committed before an earlier one's.
+    closed_at: float | None = None
 
     @property
     def local(self) -> bool:
@@ -303,7 +307,9 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
     last_write = None
     if no_marker:
         busy = "no marker"
-        last_write, time = time, None  # for the settle rule (``settle``)
+        closed = [f.closed_at for f in acc.local if f.closed_at is not None]
+        # For the settle rule (``settle``): when it was last written here, else its time.
+        last_write, time = (max(closed) if closed else time), None
     held, partial, restoring = set(), set(), set()
     for tier in tier_order:
         if tier == HOT:
@@ -471,7 +477,7 @@ def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile],
         committed = row.committed_at if row.closed_at is not None else None
         out.append(LocalFile(key, row.ino, row.size, row.state, row.incomplete, committed,
                              row.checksum, rows_of.open_count(row.ino) > 0,
-                             row.mtime_ns / 1e9 if row.mtime_ns else None))
+                             row.mtime_ns / 1e9 if row.mtime_ns else None, row.closed_at))
     elif stat.S_ISDIR(row.mode):
         for child in rows_of.children(row.ino, 0):
             assert child.name is not None

@@ -90,6 +90,26 @@ async def test_plain_save_into_step_dirs_gets_keep_last(
             "no commit marker; complete: nothing written to it for 10m"
 
 
+async def test_a_later_checkpoint_counts_by_when_it_was_written_not_committed(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """Uploads run in parallel: step_4's file can be committed before step_3's although it
+    was written after it. step_3 still has a later checkpoint (the CI flake of stop 23)."""
+    async with node(tmp_path) as (fs, uploader, retention, _):
+        await torch_save(fs, uploader, range(1, 5))
+        from ckptfs.journal import State
+
+        rows = fs.ns.journal.rows_in_states(State.COMMITTED)
+        newest = max(r.committed_at or 0.0 for r in rows)
+        for listed in rows:
+            # step_3's files are committed last, after step_4's; they were written in order.
+            if (fs.ns.path_of(listed.ino) or b"").startswith(b"step_3/"):
+                row = fs.ns.get(listed.ino)
+                row.committed_at = newest + 5
+                fs.ns.persist(row)
+        note = notes(await retention.report())
+        assert note["step_3"] == "no commit marker; complete: a later checkpoint exists", note
+
+
 async def test_another_registered_node_keeps_the_marker_rule(
         tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     """Another node is registered with the store: its shards of these checkpoints may be
