@@ -60,6 +60,7 @@ from ckptfs.namespace import Namespace
 from ckptfs.peers import MoveRecorder
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
+from ckptfs.workqueue import WorkQueue
 
 if TYPE_CHECKING:
     from ckptfs.coordination import Coordinator
@@ -140,7 +141,7 @@ class Uploader:
         self._last_number = 0
         # Files whose last writer's close(2) returned, not yet released: their number.
         self._closing: dict[int, int] = {}
-        self._pending: dict[WorkKey, Work] = {}
+        self._pending: WorkQueue[Work] = WorkQueue()
         self._inflight: dict[WorkKey, Work] = {}
         # Wake-ups: waiters take the current event, check the state, then wait on it; a change
         # sets it and installs a fresh one. No lock needed: trio switches only at awaits.
@@ -196,7 +197,9 @@ class Uploader:
         """A writer waits for space: retry failed items soon, whatever their backoff says."""
         limit = self._clock() + HURRY_DELAY
         for work in self._pending.values():
-            work.not_before = min(work.not_before, limit)
+            if work.not_before > limit:
+                work.not_before = limit
+                self._pending.touch(work)
         self._wake()
 
     def cancel(self, ino: int) -> None:
@@ -215,18 +218,22 @@ class Uploader:
                 # Queued again while in flight (a chmod, a rename, a cancelled upload): it
                 # keeps its first number, so markers closed after it, here or on another
                 # node (an acknowledged barrier notes numbers), still wait for it.
-                self._pending[key] = Work(key, min(running.seq, reserved or running.seq))
+                work = Work(key, min(running.seq, reserved or running.seq))
             else:
-                self._pending[key] = Work(key, reserved or self._number())
-        elif self._names_marker(key):
-            # A marker queued again is re-numbered so that it waits for whatever was queued
-            # since: a rewritten `latest` must follow its new checkpoint. Other items keep
-            # their first number, so markers queued since still wait for them.
-            work.seq = reserved or self._number()
-        elif reserved:
-            work.seq = min(work.seq, reserved)
-        work = self._pending[key]
-        work.not_before = 0.0
+                work = Work(key, reserved or self._number())
+            self._pending.add(work)
+        else:
+            before = (work.seq, work.not_before)
+            if self._names_marker(key):
+                # A marker queued again is re-numbered so that it waits for whatever was
+                # queued since: a rewritten `latest` must follow its new checkpoint. Other
+                # items keep their first number, so markers queued since still wait for them.
+                work.seq = reserved or self._number()
+            elif reserved:
+                work.seq = min(work.seq, reserved)
+            work.not_before = 0.0
+            if (work.seq, work.not_before) != before:
+                self._pending.touch(work)
         if self.coordinator is not None:
             self.coordinator.activity()
         self._wake()
@@ -385,22 +392,21 @@ class Uploader:
     # -- workers ----------------------------------------------------------------------------
 
     def _pick(self, now: float) -> tuple[Work | None, float]:
-        """The next eligible item (smallest number first) and when to look again."""
-        floor = min([w.seq for w in (*self._pending.values(), *self._inflight.values())]
-                    + list(self._closing.values()), default=math.inf)
-        wake_at = math.inf
+        """The next eligible item (smallest number first; it leaves ``_pending``) and when
+        to look again. O(log n) per item looked at (workqueue.py), not a sort per pick."""
+        floor = min(self._pending.smallest_seq(),
+                    min((w.seq for w in self._inflight.values()), default=math.inf),
+                    min(self._closing.values(), default=math.inf))
         # The inode each waiting item waits for (keys.py rule 1) -> the smallest number
         # waiting for it: items are looked at in number order, so it is known in time.
         waits: dict[int, int] = {}
-        for work in sorted(self._pending.values(), key=lambda w: w.seq):
+
+        def take(work: Work) -> bool:
             if work.key in self._inflight:
-                continue
-            if work.not_before > now:
-                wake_at = min(wake_at, work.not_before)
-                continue
+                return False
             plan = self._plan(work, waits)
             if plan is None:
-                continue  # waits for a file to move away from its key (keys.py rule 1)
+                return False  # waits for a file to move away from its key (keys.py rule 1)
             target, source, park = plan
             marker = work.key[0] == "sweep" or (
                 work.key[0] == "ino" and target is not None and not park and is_marker(
@@ -412,17 +418,18 @@ class Uploader:
                 # key (no publication, so no order to keep); it moves on in its turn.
                 target, park, marker = self.keys.parking_key(work.key[1]), True, False
             if self.keys.busy((target, source)):
-                continue
+                return False
             if marker and floor < work.seq:
-                continue
+                return False
             if marker and self.coordinator is not None and \
                     not self.coordinator.is_released(work.seq):
                 self.coordinator.want(work.seq)  # its barrier wakes us when the nodes agree
-                continue
+                return False
             work.target, work.source, work.park = target, source, park
             self.keys.claim(work.key, (target, source))
-            return work, wake_at
-        return None, wake_at
+            return True
+
+        return self._pending.pick(now, take)
 
     def _plan(self, work: Work, waits: dict[int, int]
               ) -> tuple[str | None, str | None, bool] | None:
@@ -504,8 +511,7 @@ class Uploader:
             changed = self._changed
             work, wake_at = self._pick(self._clock())
             if work is not None:
-                # Move it to in-flight before the next checkpoint: no other worker can take it.
-                self._pending.pop(work.key, None)
+                # In flight before the next checkpoint: no other worker can take it.
                 self._inflight[work.key] = work
                 return work
             with trio.move_on_at(wake_at):
@@ -515,8 +521,9 @@ class Uploader:
         """A failed item just succeeded: the others need not sit out their backoff."""
         now = self._clock()
         for work in self._pending.values():
-            if work.error is not None:
-                work.not_before = min(work.not_before, now)
+            if work.error is not None and work.not_before > now:
+                work.not_before = now
+                self._pending.touch(work)
 
     def _failed(self, work: Work, exc: Exception) -> None:
         work.attempts += 1
@@ -533,9 +540,10 @@ class Uploader:
                     work.target or work.key, work.attempts, delay, work.error)
         queued = self._pending.get(work.key)
         if queued is None:
-            self._pending[work.key] = work
-        elif not self._names_marker(work.key):
-            queued.seq = min(queued.seq, work.seq)  # the first number stands (see _queue)
+            self._pending.add(work)
+        elif not self._names_marker(work.key) and work.seq < queued.seq:
+            queued.seq = work.seq  # the first number stands (see _queue)
+            self._pending.touch(queued)
 
     # -- reconciling one item ---------------------------------------------------------------
 
