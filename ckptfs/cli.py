@@ -559,6 +559,11 @@ def status(
                 f"active: {pt['opens']['passthrough']} opens served by the kernel, "
                 f"{pt['opens']['daemon']} by the daemon") if pt["active"]
                 else f"off: {pt['reason']}")
+        outage = r.get("store_outage")
+        if outage:
+            table.add_row("store", f"down for {outage['down_for_s']:.0f}s "
+                          f"({outage['failures_in_a_row']} failures in a row); next probe in "
+                          f"{outage['next_probe_in_s']:.0f}s, the queue waits for it")
         table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
                       or "none")
         table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")

@@ -421,6 +421,7 @@ class ControlServer:
                 "allow_other": self.config.allow_other, "suid": self.config.suid,
                 "metrics_port": self.config.metrics_port,
             },
+            "store_outage": self.uploader.outage(),
             "failed": [{"item": self._describe(w.key), "error": w.error,
                         "attempts": w.attempts,
                         "retry_in_s": round(max(0.0, w.not_before - trio.current_time()), 1)}

@@ -364,7 +364,7 @@ async def _serve_registered(
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)
             # Before the cancellation reaches the workers (it drops their items).
-            idle = not uploader.outstanding()
+            idle = not uploader.busy()
             # Uploads still in flight stop here; the journal requeues them at the next mount.
             nursery.cancel_scope.cancel()
             await _leave(coordinator, idle)
@@ -388,7 +388,7 @@ def backing_stack_depth(staging_root: Path) -> int:
 
 
 def _nothing_left(uploader: Uploader, journal: Journal) -> bool:
-    return not (uploader.outstanding() or journal.rows_in_states(State.STAGED, State.UPLOADING)
+    return not (uploader.busy() or journal.rows_in_states(State.STAGED, State.UPLOADING)
                 or journal.tombstones())
 
 

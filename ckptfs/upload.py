@@ -71,6 +71,12 @@ BACKOFF_BASE = 0.5
 INLINE_SUMS = 256 * 1024  # files this small are summed on the trio thread
 BACKOFF_MAX = 60.0
 HURRY_DELAY = 1.0  # the longest a failed item waits while a writer waits for space
+# This many transient failures in a row, no success between, and the store is taken as down:
+# one item at a time probes it (with backoff) until one succeeds. Without this every queued
+# item is tried, fails and is retried on its own backoff: with n files closed during an outage
+# that is n attempts (a sync, a checksum and two journal writes each) per backoff period, a
+# load on the daemon and on the struggling store that grows with the queue.
+OUTAGE_AFTER = 3
 _HASH_CHUNK = 8 * 1024 * 1024
 
 WorkKey = tuple[str, int]  # ("ino", inode), ("tomb", tombstone id) or ("sweep", sweep id)
@@ -141,6 +147,11 @@ class Uploader:
         self._last_number = 0
         # Files whose last writer's close(2) returned, not yet released: their number.
         self._closing: dict[int, int] = {}
+        # The store-down gate (OUTAGE_AFTER): transient failures in a row, when the outage
+        # began, and when the next probe may start.
+        self._failures_in_a_row = 0
+        self._outage_since: float | None = None
+        self._probe_at = 0.0
         self._pending: WorkQueue[Work] = WorkQueue()
         self._inflight: dict[WorkKey, Work] = {}
         # Wake-ups: waiters take the current event, check the state, then wait on it; a change
@@ -196,6 +207,7 @@ class Uploader:
     def hurry(self) -> None:
         """A writer waits for space: retry failed items soon, whatever their backoff says."""
         limit = self._clock() + HURRY_DELAY
+        self._probe_at = min(self._probe_at, limit)
         for work in self._pending.values():
             if work.not_before > limit:
                 work.not_before = limit
@@ -314,8 +326,17 @@ class Uploader:
     # -- queries ----------------------------------------------------------------------------
 
     def last_seq(self) -> int:
-        return max([w.seq for w in (*self._pending.values(), *self._inflight.values())],
-                   default=0)
+        """A number no outstanding item exceeds (items queued later get larger ones)."""
+        return self._last_number
+
+    def busy(self) -> bool:
+        """Whether any item is queued or in flight (O(1))."""
+        return bool(len(self._pending) or self._inflight)
+
+    def _floor(self) -> float:
+        """The smallest number queued or in flight (``inf`` when idle), in O(log n)."""
+        return min(self._pending.smallest_seq(),
+                   min((w.seq for w in self._inflight.values()), default=math.inf))
 
     def outstanding(self, upto_seq: int | None = None) -> list[Work]:
         return [w for w in (*self._pending.values(), *self._inflight.values())
@@ -324,9 +345,19 @@ class Uploader:
     def failed(self) -> list[Work]:
         return [w for w in (*self._pending.values(), *self._inflight.values()) if w.error]
 
+    def outage(self) -> dict[str, float] | None:
+        """While the store is taken as down (OUTAGE_AFTER): since when (seconds ago, on the
+        uploader's clock), the failures in a row and when the next probe starts."""
+        if self._outage_since is None:
+            return None
+        now = self._clock()
+        return {"down_for_s": round(now - self._outage_since, 1),
+                "failures_in_a_row": self._failures_in_a_row,
+                "next_probe_in_s": round(max(0.0, self._probe_at - now), 1)}
+
     async def wait_until_done(self, upto_seq: int) -> None:
         """Return once every item numbered ``upto_seq`` or less has finished."""
-        while self.outstanding(upto_seq):
+        while self._floor() <= upto_seq:
             await self._changed.wait()
 
     async def wait_progress(self) -> None:
@@ -335,7 +366,7 @@ class Uploader:
 
     async def wait_idle(self) -> None:
         """Return once nothing at all is left to do (items queued meanwhile included)."""
-        while self.outstanding():
+        while self.busy():
             await self._changed.wait()
 
     # -- start ------------------------------------------------------------------------------
@@ -394,9 +425,13 @@ class Uploader:
     def _pick(self, now: float) -> tuple[Work | None, float]:
         """The next eligible item (smallest number first; it leaves ``_pending``) and when
         to look again. O(log n) per item looked at (workqueue.py), not a sort per pick."""
-        floor = min(self._pending.smallest_seq(),
-                    min((w.seq for w in self._inflight.values()), default=math.inf),
-                    min(self._closing.values(), default=math.inf))
+        if self._outage_since is not None:
+            # The store is down: one probe at a time, none before its backoff is over.
+            if self._inflight:
+                return None, math.inf  # its end wakes the workers
+            if now < self._probe_at:
+                return None, self._probe_at
+        floor = min(self._floor(), min(self._closing.values(), default=math.inf))
         # The inode each waiting item waits for (keys.py rule 1) -> the smallest number
         # waiting for it: items are looked at in number order, so it is known in time.
         waits: dict[int, int] = {}
@@ -493,8 +528,9 @@ class Uploader:
             try:
                 with trio.CancelScope() as work.cancel:
                     await self._reconcile(work)
-                    if work.error is not None:
+                    if work.error is not None or self._outage_since is not None:
                         self._store_is_back()
+                    self._failures_in_a_row = 0
                     work.error = None
             except Exception as exc:  # noqa: BLE001 - every failure is retried and reported
                 self._failed(work, exc)
@@ -520,6 +556,11 @@ class Uploader:
     def _store_is_back(self) -> None:
         """A failed item just succeeded: the others need not sit out their backoff."""
         now = self._clock()
+        if self._outage_since is not None:
+            log.warning("the store answers again after %.1fs down: %d items go up now",
+                        now - self._outage_since, len(self._pending))
+        self._failures_in_a_row = 0
+        self._outage_since = None
         for work in self._pending.values():
             if work.error is not None and work.not_before > now:
                 work.not_before = now
@@ -535,6 +576,18 @@ class Uploader:
         self.stats.retries += 1
         if not transient:
             self.stats.failures += 1
+        else:
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= OUTAGE_AFTER:
+                # Probes back off as one item does, counted from the outage's start.
+                probes = self._failures_in_a_row - OUTAGE_AFTER
+                wait = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(probes, 20))
+                self._probe_at = self._clock() + wait * (0.5 + self._random.random())
+                if self._outage_since is None:
+                    self._outage_since = self._clock()
+                    log.warning("the store looks down (%d failures in a row, the last: %s): "
+                                "one item at a time probes it until it answers; %d items wait",
+                                self._failures_in_a_row, work.error, len(self._pending) + 1)
         log.warning("%s %s failed (attempt %d, retry in %.1fs): %s",
                     {"ino": "upload of", "tomb": "deletion of"}.get(work.key[0], "sweep"),
                     work.target or work.key, work.attempts, delay, work.error)

@@ -22,7 +22,7 @@ from ckptfs.staging import Staging
 from ckptfs.tiers.base import Kind, ObjectMeta, Progress
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier
-from ckptfs.upload import Uploader, file_checksum
+from ckptfs.upload import OUTAGE_AFTER, Uploader, file_checksum
 
 ROOT = ROOT_INODE
 
@@ -224,6 +224,44 @@ async def test_outage_delays_but_loses_nothing(rig: Rig, autojump_clock: trio.ab
     await rig.settle()
     assert rig.files() == datas
     assert not rig.uploader.failed()
+
+
+async def test_an_outage_is_probed_by_one_item_not_retried_by_every_item(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """200 files closed while the store is down: after OUTAGE_AFTER failures in a row one item
+    at a time probes the store (with backoff), so ten minutes of outage cost a few dozen
+    store calls, not a retry of every file on its own backoff (thousands)."""
+    rig.tier.down = True
+    datas = {f"d/f{i}": os.urandom(100 + i) for i in range(200)}
+    for path, data in datas.items():
+        await rig.write(path, data)
+    start = sum(rig.tier.calls.values())
+    await trio.sleep(600)
+    calls = sum(rig.tier.calls.values()) - start
+    assert calls <= 40, rig.tier.calls
+    outage = rig.uploader.outage()
+    assert outage is not None and outage["down_for_s"] >= 590, outage
+    assert outage["failures_in_a_row"] >= OUTAGE_AFTER
+    # A writer waiting for space hurries the next probe too.
+    rig.uploader.hurry()
+    assert rig.uploader.outage()["next_probe_in_s"] <= 1.0  # type: ignore[index]
+    rig.tier.down = False
+    t0 = trio.current_time()
+    await rig.settle()
+    assert trio.current_time() - t0 <= 2.0  # the next probe, then everything at once
+    assert rig.files() == datas
+    assert rig.uploader.outage() is None and not rig.uploader.failed()
+
+
+async def test_failures_between_successes_are_not_an_outage(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """Fewer than OUTAGE_AFTER failures in a row (a flaky store) never gate the queue."""
+    for i in range(6):
+        rig.tier.fail_next = OUTAGE_AFTER - 1
+        await rig.write(f"f{i}", b"x" * 100)
+        await rig.settle()
+        assert rig.uploader.outage() is None
+    assert len(rig.files()) == 6
 
 
 async def test_reopen_cancels_the_old_upload(rig: Rig, autojump_clock: trio.abc.Clock) -> None:
