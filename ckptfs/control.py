@@ -376,13 +376,23 @@ class ControlServer:
             rows.append((name, row.size, row.state.value))
         return rows
 
+    def _pending_totals(self, prefix: str | None) -> tuple[int, int]:
+        """Files not uploaded yet (under ``prefix``) and their bytes. The whole mount's is
+        an indexed count; a prefix's needs each staged file's path."""
+        if not prefix:
+            return self.fs.journal.linked_totals(State.STAGED, State.UPLOADING)
+        rows = self._pending_rows(prefix)
+        return len(rows), sum(size for _, size, _ in rows)
+
     def status(self) -> dict[str, Any]:
-        pending = self._pending_rows(None)
+        pending_files, pending_bytes = self._pending_totals(None)
+        uploading = [os.fsdecode(p) for p in (
+            self.fs.journal.path_of(r.ino)
+            for r in self.fs.journal.rows_in_states(State.UPLOADING)) if p is not None]
         stats = self.uploader.stats
         now = time.monotonic()
         window = [(t, n) for t, n in stats.recent if now - t < RATE_WINDOW]
         rate = sum(n for _, n in window) / RATE_WINDOW if window else 0.0
-        pending_bytes = sum(size for _, size, _ in pending)
         open_rows = self.fs.journal.rows_in_states(State.OPEN)
         incomplete = [os.fsdecode(self.fs.journal.path_of(r.ino) or b"?")
                       for r in open_rows if r.incomplete]
@@ -396,9 +406,9 @@ class ControlServer:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "queue": {
-                "files": len(pending),
+                "files": pending_files,
                 "bytes": pending_bytes,
-                "uploading": [n for n, _, s in pending if s == "uploading"],
+                "uploading": uploading,
                 "work_items": len(self.uploader.outstanding()),
             },
             "uploaded": {"files": stats.uploaded_files, "bytes": stats.uploaded_bytes,
@@ -473,8 +483,7 @@ class ControlServer:
         upto = self.uploader.last_seq()
         total = None
         while True:
-            pending = self._pending_rows(path)
-            remaining = sum(size for _, size, _ in pending)
+            pending, remaining = self._pending_totals(path)
             if total is None:
                 total = remaining
             # Deletions of old copies (after moves and directory renames) are queued as work
@@ -486,7 +495,7 @@ class ControlServer:
                 # Staged files with no work item would make sync wait forever: a bug, but
                 # not one the user should pay for. Queue them and say so.
                 log.error("%d staged files were not queued for upload; queueing them now",
-                          len(pending))
+                          pending)
                 for row in self.fs.journal.rows_in_states(State.STAGED, State.UPLOADING):
                     self.uploader.inode_changed(row.ino)
                 upto = self.uploader.last_seq()
@@ -497,7 +506,7 @@ class ControlServer:
                 done = not pending
             # Failures are retried ("errors"); a marker held for other nodes is a normal wait.
             errors = [w.error for w in outstanding if w.error]
-            await _send(stream, {"pending_files": len(pending), "pending_bytes": remaining,
+            await _send(stream, {"pending_files": pending, "pending_bytes": remaining,
                                  "total_bytes": max(total, remaining), "errors": errors[:3],
                                  "waiting": self._held()[:3]})
             if done:

@@ -376,6 +376,16 @@ class Journal:
             )
         ]
 
+    def linked_totals(self, *states: State) -> tuple[int, int]:
+        """How many linked inodes are in ``states`` and their bytes: one indexed count, for
+        status and sync progress (no row objects, no path queries)."""
+        marks = ", ".join("?" * len(states))
+        count, size = self._db.execute(
+            f"SELECT count(*), coalesce(sum(size), 0) FROM inodes "
+            f"WHERE state IN ({marks}) AND parent IS NOT NULL", tuple(s.value for s in states),
+        ).fetchone()
+        return int(count), int(size)
+
     def rows_in_states(self, *states: State) -> list[Row]:
         marks = ", ".join("?" * len(states))
         return [

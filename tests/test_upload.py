@@ -245,11 +245,20 @@ async def test_an_outage_is_probed_by_one_item_not_retried_by_every_item(
     # A writer waiting for space hurries the next probe too.
     rig.uploader.hurry()
     assert rig.uploader.outage()["next_probe_in_s"] <= 1.0  # type: ignore[index]
+    # What status and sync count (one indexed query): linked entries not uploaded yet (the
+    # files and their directory ``d``).
+    totals = rig.fs.journal.linked_totals(State.STAGED, State.UPLOADING)
+    assert totals == (len(datas) + 1, sum(map(len, datas.values())))
+    await rig.fs.unlink(await rig.ino("d"), b"f0")
+    del datas["d/f0"]
+    totals = rig.fs.journal.linked_totals(State.STAGED, State.UPLOADING)
+    assert totals == (len(datas) + 1, sum(map(len, datas.values())))
     rig.tier.down = False
     t0 = trio.current_time()
     await rig.settle()
     assert trio.current_time() - t0 <= 2.0  # the next probe, then everything at once
     assert rig.files() == datas
+    assert rig.fs.journal.linked_totals(State.STAGED, State.UPLOADING) == (0, 0)
     assert rig.uploader.outage() is None and not rig.uploader.failed()
 
 
