@@ -564,8 +564,9 @@ def status(
             table.add_row("store", f"down for {outage['down_for_s']:.0f}s "
                           f"({outage['failures_in_a_row']} failures in a row); next probe in "
                           f"{outage['next_probe_in_s']:.0f}s, the queue waits for it")
+        more = r.get("failed_count", len(r["failed"])) - len(r["failed"])
         table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
-                      or "none")
+                      + (f"\n... and {more} more" if more > 0 else "") or "none")
         table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")
         node = r.get("node")
         if node:

@@ -59,6 +59,7 @@ SOCKET_MODE = 0o666
 READ_ONLY_OPS = frozenset({"status", "ls-tiers", "sync"})
 # Files open for writing that ``status`` names (the count is always given).
 OPEN_LISTED = 20
+FAILED_LISTED = 20  # status lists this many failing items (oldest first) and counts the rest
 REQUEST_TIMEOUT = 2.0  # seconds to send the request line (the CLI sends it at connect)
 # Connections a group member's uid may hold at once (``sync`` waits, so they last): a local
 # user must not be able to take every descriptor of the daemon.
@@ -399,6 +400,8 @@ class ControlServer:
         open_files = [os.fsdecode(self.fs.journal.path_of(r.ino) or b"?")
                       for r in open_rows if not r.incomplete]
         st = self.fs.staging.statvfs()
+        # During an outage every queued item may be failing: list the oldest, count them all.
+        failed = sorted(self.uploader.failed(), key=lambda w: w.seq)
         return {
             "mountpoint": str(self.mountpoint),
             "staging_dir": str(self.fs.staging.root),
@@ -409,7 +412,7 @@ class ControlServer:
                 "files": pending_files,
                 "bytes": pending_bytes,
                 "uploading": uploading,
-                "work_items": len(self.uploader.outstanding()),
+                "work_items": self.uploader.count(),
             },
             "uploaded": {"files": stats.uploaded_files, "bytes": stats.uploaded_bytes,
                          "moved": stats.moved, "deleted": stats.deleted},
@@ -435,7 +438,8 @@ class ControlServer:
             "failed": [{"item": self._describe(w.key), "error": w.error,
                         "attempts": w.attempts,
                         "retry_in_s": round(max(0.0, w.not_before - trio.current_time()), 1)}
-                       for w in self.uploader.failed()],
+                       for w in failed[:FAILED_LISTED]],
+            "failed_count": len(failed),
             "incomplete": incomplete,
             "open_for_writing": open_files[:OPEN_LISTED],
             "open_for_writing_count": len(open_files),

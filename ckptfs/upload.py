@@ -329,6 +329,10 @@ class Uploader:
         """A number no outstanding item exceeds (items queued later get larger ones)."""
         return self._last_number
 
+    def count(self) -> int:
+        """Items queued or in flight."""
+        return len(self._pending) + len(self._inflight)
+
     def busy(self) -> bool:
         """Whether any item is queued or in flight (O(1))."""
         return bool(len(self._pending) or self._inflight)

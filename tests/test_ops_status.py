@@ -112,6 +112,38 @@ def test_status_lists_failing_uploads_while_the_store_is_down(
     assert (store / "a.pt").read_bytes() == b"a" * 1000
 
 
+def test_status_shows_a_store_outage_and_the_queue_waits_for_one_probe(
+        tmp_path: Path, mounter: Mounter) -> None:
+    """Files closed while the store is down: after a few failures in a row status reports the
+    outage (and the one-item probe), the failing list stays short, and nothing is lost."""
+    store, down = tmp_path / "store", tmp_path / "down"
+    store.mkdir()
+    m = mounter(config=tiers_config(tmp_path / "c.toml", store.as_uri(),
+                                    faults={"down_file": str(down)}, upload_concurrency=2,
+                                    register_at_mount=True))
+    down.touch()
+    names = [f"f{i:02d}.pt" for i in range(30)]
+    for name in names:
+        (m.path / name).write_bytes(name.encode() * 100)
+    deadline = time.monotonic() + 60
+    report = status(m)
+    while report["store_outage"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        report = status(m)
+    outage = report["store_outage"]
+    assert outage is not None and outage["failures_in_a_row"] >= 3, report
+    assert report["failed_count"] >= 3 and len(report["failed"]) <= report["failed_count"]
+    assert report["queue"]["files"] == len(names)
+    human = ckptfs("status", m.path).stdout
+    assert "down for" in human and "next probe" in human, human
+    down.unlink()
+    ckptfs("sync", m.path)
+    after = status(m)
+    assert after["store_outage"] is None and after["failed_count"] == 0, after
+    for name in names:
+        assert (store / name).read_bytes() == name.encode() * 100
+
+
 ACCESS_KEY = "AKIAOPSTESTKEY123456"
 SECRET_KEY = "opsTestSecret/Very+Private/9876543210"
 
