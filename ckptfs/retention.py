@@ -87,6 +87,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+HEAD_CONCURRENCY = 16  # HEADs in flight while collecting the objects the journal does not know
+
 HOUR, DAY, WEEK = 3600, 86400, 7 * 86400
 _MONDAY = 4 * DAY  # 1970-01-05 was a Monday: weeks start there
 MAX_ROUNDS = 3
@@ -546,6 +548,8 @@ class Retention:
             if t.name != HOT:
                 locations.setdefault(t.location, []).append(t)
         registered: set[str] = set()
+        listed: list[tuple[str, ObjectInfo, ObjectMeta | None]] = []
+        heads: list[tuple[int, str, ObjectInfo]] = []
         for location, members in locations.items():
             infos = await self.tiers[members[0].name].list()
             for info in infos:
@@ -560,11 +564,14 @@ class Retention:
                 meta = info.meta if info.meta_known else None
                 if meta is None and (name_of(info.key) not in known
                                      or self._is_pointer(info.key)):
-                    meta = await self._head(owner.name, info)
-                remote[owner.name].append(RemoteFile(
-                    info.key, info.size, meta.checksum if meta else None,
-                    meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
-                    info.storage_class, info.restore_state == "ongoing", info.etag))
+                    heads.append((len(listed), owner.name, info))
+                listed.append((owner.name, info, meta))
+        await self._head_all(heads, listed)
+        for owner_name, info, meta in listed:
+            remote[owner_name].append(RemoteFile(
+                info.key, info.size, meta.checksum if meta else None,
+                meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
+                info.storage_class, info.restore_state == "ongoing", info.etag))
         # The pins after the objects (pins.py): a restored object listed above was promoted
         # after its pin was written, so the pin is in this later listing.
         warm_pins = await store_pins(self.tiers[self._warm().name])
@@ -615,6 +622,21 @@ class Retention:
 
     def _is_marker(self, key: str) -> bool:
         return self.markers is not None and is_marker_key(key, self.markers)
+
+    async def _head_all(self, heads: Sequence[tuple[int, str, ObjectInfo]],
+                        listed: list[tuple[str, ObjectInfo, ObjectMeta | None]]) -> None:
+        """HEAD the objects the journal does not know, ``HEAD_CONCURRENCY`` at a time (the
+        first run after a mount may have thousands: one at a time, it took minutes), and
+        put each answer at its place in ``listed``."""
+        todo = iter(heads)
+
+        async def worker() -> None:
+            for index, tier, info in todo:  # shared: each item goes to one worker
+                listed[index] = (tier, info, await self._head(tier, info))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(HEAD_CONCURRENCY, len(heads))):
+                nursery.start_soon(worker)
 
     async def _head(self, tier: str, info: ObjectInfo) -> ObjectMeta | None:
         cache_key = (tier, info.key, info.size, getattr(info, "etag", None))
