@@ -278,7 +278,11 @@ class Uploader:
     def data_outstanding(self, upto_seq: int) -> bool:
         """Whether a file or directory item numbered ``upto_seq`` or less is not done yet
         (markers and deletions of old copies aside)."""
-        return any(seq <= upto_seq for seq in self._closing.values()) or any(
+        if any(seq <= upto_seq for seq in self._closing.values()):
+            return True
+        if self._floor() > upto_seq:
+            return False  # nothing that old is queued or in flight: O(log n), the usual case
+        return any(
             w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
             for w in (*self._pending.values(), *self._inflight.values()))
 
