@@ -134,6 +134,9 @@ def mount(
     read_only: Annotated[bool | None, typer.Option(
         "--read-only/--read-write", help="A reader's mount: no change, no upload, no "
         "retention, never waited for by other nodes (-o ro).", show_default=False)] = None,
+    adopt_store: Annotated[bool | None, typer.Option(
+        "--adopt-store", help="Use a staging directory that belongs to another store with "
+        "this one (its files then go here; -o adopt_store).", show_default=False)] = None,
     create_store: Annotated[bool | None, typer.Option(
         "--create-store", help="Create the store directory (a file tier) if it does not exist; "
         "otherwise a missing one is an error (-o create_store).", show_default=False)] = None,
@@ -168,6 +171,7 @@ def mount(
         "allow_other": allow_other,
         "read_only": read_only,
         "create_store": create_store,
+        "adopt_store": adopt_store,
         "log_level": log_level,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None or k not in overrides})
@@ -278,6 +282,7 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
     # Before ckptfs.mount imports pyfuse3: the passthrough build unless passthrough = off.
     use_patched_pyfuse3(config.passthrough)
     from ckptfs import mount as mount_mod
+    from ckptfs.storecheck import store_identity
 
     def report(message: str) -> None:
         nonlocal ready_fd
@@ -292,6 +297,11 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 
     try:
         real_mountpoint, staging = mount_mod.prepare(config, mountpoint)
+        try:
+            staging.check_store_identity(store_identity(config), adopt=config.adopt_store)
+        except BaseException:
+            staging.close()
+            raise
     except UserError as exc:
         if ready_fd is None:
             raise

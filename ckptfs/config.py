@@ -222,6 +222,9 @@ class Config(_Strict):
     # Create a missing file-tier store directory at mount (otherwise a missing one is an
     # error: an unmounted Lustre must not become a directory on the root disk).
     create_store: bool = False
+    # Let this staging directory move to another store than the one it recorded (store-id,
+    # staging.py): its files then go to the new one. Otherwise another store is refused.
+    adopt_store: bool = False
     # The mount is always nodev, and nosuid unless this is set: the store (anyone who can
     # write its prefix) decides what a node maps (mount.py, listing.py).
     suid: bool = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ckptfs.config import DEFAULT_STORE, Config
 from ckptfs.errors import UserError
@@ -65,3 +65,21 @@ def check_stores(config: Config) -> list[str]:
         warnings.append(f"store {path} (the {name} tier) is on the same filesystem as {same}: "
                         "it is not shared storage and does not survive the loss of this node")
     return warnings
+
+
+def store_identity(config: Config) -> str:
+    """The warm tier, normalized: what a staging directory's files belong to. No query (a
+    storage class is not another store), no trailing slash, a file path normalized; the S3
+    endpoint when one is set."""
+    url = config.warm.url
+    assert url is not None
+    parts = urlsplit(url)
+    path = parts.path
+    if parts.scheme == "file":
+        path = os.path.normpath(unquote(path))
+        return Path(path).as_uri()
+    identity = urlunsplit((parts.scheme, parts.netloc, path.rstrip("/"), "", ""))
+    endpoint = config.warm.endpoint_url
+    if endpoint:
+        identity += f" (endpoint {endpoint.rstrip('/')})"
+    return identity

@@ -122,8 +122,51 @@ def test_config_create_store_and_other_filesystem(tmp_path: Path, mnt: Path, mou
     ckptfs("umount", mnt)
     # -o create_store (as in fstab) with a missing store of the same kind.
     store2 = shared / "run2"
-    done = _mount(mnt, staging, "--store", store2, "-o", "create_store=true")
+    done = _mount(mnt, tmp_path / "staging2", "--store", store2, "-o", "create_store=true")
     assert done.returncode == 0, done.stderr
     assert store2.is_dir() and done.stderr == "", done.stderr
     ckptfs("umount", mnt)
     assert_nothing_left(mnt)
+
+
+# -- the store a staging directory belongs to (issue #20 item 6) ----------------------------
+
+
+def test_staging_refuses_another_store(tmp_path: Path, mounter: Mounter) -> None:
+    store_a, store_b = tmp_path / "a", tmp_path / "b"
+    m = mounter("n", store=store_a)
+    record = m.staging / "store-id"
+    assert record.read_text() == store_a.as_uri() + "\n"
+    (m.path / "f").write_bytes(b"data")
+    m.umount()
+    done = ckptfs("mount", m.path, "--staging", m.staging, "--store", store_b, "--create-store",
+                  check=False)
+    assert_user_error(done, str(m.staging), store_a.as_uri(), store_b.as_uri(), "--adopt-store")
+    assert not is_mounted(m.path)
+    assert record.read_text() == store_a.as_uri() + "\n"
+    # The same store, spelled differently (a path, a trailing slash): the same identity.
+    done = ckptfs("mount", m.path, "--staging", m.staging, "--store", f"{store_a}/")
+    m.umount()
+    # --adopt-store moves it, and rewrites the record.
+    m.store, m.extra = store_b, ["--adopt-store"]
+    m.remount()
+    assert record.read_text() == store_b.as_uri() + "\n"
+    assert (m.path / "f").read_bytes() == b"data"
+    sync(m)
+    assert (store_b / "f").read_bytes() == b"data"
+    m.umount()
+    # From now on B is the store; A is refused.
+    done = ckptfs("mount", m.path, "--staging", m.staging, "--store", store_a, check=False)
+    assert_user_error(done, store_b.as_uri(), store_a.as_uri())
+    assert not is_mounted(m.path)
+
+
+def test_staging_without_record_adopts(tmp_path: Path, mounter: Mounter) -> None:
+    m = mounter("n", store=tmp_path / "a")
+    m.umount()
+    (m.staging / "store-id").unlink()
+    m.store = tmp_path / "b"
+    m.remount()
+    assert (m.staging / "store-id").read_text() == (tmp_path / "b").as_uri() + "\n"
+    assert not list(m.staging.glob(".store-id*"))
+    m.umount()
