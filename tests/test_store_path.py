@@ -16,10 +16,19 @@ from tests.test_cli_errors import Tmpfs, assert_nothing_left, assert_user_error
 
 
 @pytest.fixture
-def mnt(tmp_path: Path) -> Path:
+def mnt(tmp_path: Path) -> Iterator[Path]:
+    """An empty mountpoint, unmounted in teardown if a failed test left a mount there."""
     path = tmp_path / "mnt"
     path.mkdir()
-    return path
+    try:
+        yield path
+    finally:
+        if is_mounted(path):
+            subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(path), "--timeout",
+                            "30"], capture_output=True, timeout=120, check=False)
+        if is_mounted(path):
+            subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True,
+                           check=False)
 
 
 @pytest.fixture
