@@ -134,6 +134,12 @@ def mount(
     read_only: Annotated[bool | None, typer.Option(
         "--read-only/--read-write", help="A reader's mount: no change, no upload, no "
         "retention, never waited for by other nodes (-o ro).", show_default=False)] = None,
+    adopt_store: Annotated[bool | None, typer.Option(
+        "--adopt-store", help="Use a staging directory that belongs to another store with "
+        "this one (its files then go here; -o adopt_store).", show_default=False)] = None,
+    create_store: Annotated[bool | None, typer.Option(
+        "--create-store", help="Create the store directory (a file tier) if it does not exist; "
+        "otherwise a missing one is an error (-o create_store).", show_default=False)] = None,
     foreground: Annotated[bool, typer.Option(
         "--foreground", "-f", help="Serve in this process (systemd, debugging).")] = False,
     options: Annotated[list[str] | None, typer.Option(
@@ -164,6 +170,8 @@ def mount(
         "store": None if store is None else store_url(store),
         "allow_other": allow_other,
         "read_only": read_only,
+        "create_store": create_store,
+        "adopt_store": adopt_store,
         "log_level": log_level,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None or k not in overrides})
@@ -172,10 +180,26 @@ def mount(
     if not foreground:
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
+        warnings = _check_stores(config)
         _spawn_daemon(mountpoint, config_file, overrides)
+        # After the mount: a failed one prints its one error line and nothing else.
+        for warning in warnings:
+            print("ckptfs: warning: " + warning, file=sys.stderr)
         print(_ready_line(config, mountpoint))
         return
+    if ready_fd is None:  # with --ready-fd, the parent that spawned this daemon checked
+        check_mountpoint(mountpoint)
+        for warning in _check_stores(config):
+            print("ckptfs: warning: " + warning, file=sys.stderr)
     _serve_foreground(config, mountpoint, ready_fd)
+
+
+def _check_stores(config: Config) -> list[str]:
+    """A file-tier store must exist (or be created on request); returns the warnings (a
+    local store)."""
+    from ckptfs.storecheck import check_stores
+
+    return check_stores(config)
 
 
 def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]) -> None:
@@ -258,6 +282,7 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
     # Before ckptfs.mount imports pyfuse3: the passthrough build unless passthrough = off.
     use_patched_pyfuse3(config.passthrough)
     from ckptfs import mount as mount_mod
+    from ckptfs.storecheck import store_identity
 
     def report(message: str) -> None:
         nonlocal ready_fd
@@ -272,6 +297,11 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 
     try:
         real_mountpoint, staging = mount_mod.prepare(config, mountpoint)
+        try:
+            staging.check_store_identity(store_identity(config), adopt=config.adopt_store)
+        except BaseException:
+            staging.close()
+            raise
     except UserError as exc:
         if ready_fd is None:
             raise

@@ -173,6 +173,11 @@ class TierConfig(_Strict):
 
 def validate_tier_url(url: str) -> None:
     """Raise ValueError if ``url`` is not a tier URL ckptfs understands."""
+    typo = re.fullmatch(r"(s3|file|memory):/*(.*)", url, re.IGNORECASE)
+    if typo and "://" not in url:
+        scheme, rest = typo.group(1).lower(), typo.group(2)
+        right = f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
+        raise ValueError(f"{url!r} is not a URL: did you mean {right!r}?")
     parts = urlsplit(url)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
@@ -214,6 +219,12 @@ class Config(_Strict):
     # A reader's mount: the kernel refuses every change, nothing is uploaded, retention does
     # not run, and the node never registers with the others (mount.py, coordination.py).
     read_only: bool = False
+    # Create a missing file-tier store directory at mount (otherwise a missing one is an
+    # error: an unmounted Lustre must not become a directory on the root disk).
+    create_store: bool = False
+    # Let this staging directory move to another store than the one it recorded (store-id,
+    # staging.py): its files then go to the new one. Otherwise another store is refused.
+    adopt_store: bool = False
     # The mount is always nodev, and nosuid unless this is set: the store (anyone who can
     # write its prefix) decides what a node maps (mount.py, listing.py).
     suid: bool = False
@@ -405,7 +416,17 @@ def store_url(value: str) -> str:
         raise UserError("--store must not be empty")
     if "://" in value:
         return value
-    return Path(os.path.abspath(Path(value).expanduser())).as_uri()
+    typo = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*):/*(.*)", value)
+    if typo and typo.group(1).lower() in ("s3", "file", "memory"):
+        scheme, rest = typo.group(1).lower(), typo.group(2)
+        right = f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
+        raise UserError(f"--store {value!r} is not a URL: did you mean {right!r}? "
+                        f"(the form is {scheme}://...)")
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        raise UserError(f"--store must be an absolute path or a URL (file:///dir, "
+                        f"s3://bucket/prefix), not {value!r}")
+    return Path(os.path.normpath(path)).as_uri()
 
 
 def config_path(path: Path | None = None) -> Path | None:

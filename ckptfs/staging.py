@@ -8,6 +8,7 @@ server checks who connects (control.py), but cannot list it; every file in it is
     <staging>/data/<ino>   the bytes of inode <ino>, sparse where nothing was written
     <staging>/lock         flock()ed by the one daemon that owns this directory
     <staging>/daemon.log   log of a daemon started in the background
+    <staging>/store-id     the store (normalized warm-tier URL) this directory's files belong to
 
 Invariants:
 - A data file is named by its inode number only; names and tree live in the journal, so a
@@ -34,6 +35,7 @@ from ckptfs.errors import UserError
 STAGING_MODE = 0o711
 # Below this much free space a mount is refused: the journal alone needs room to start.
 MIN_FREE_BYTES_TO_MOUNT = 16 * 1024 * 1024
+STORE_ID_NAME = "store-id"
 
 
 @dataclass(slots=True)
@@ -74,6 +76,43 @@ class Staging:
         except BaseException:
             self.close()
             raise
+
+    def check_store_identity(self, identity: str, adopt: bool = False) -> None:
+        """The files here belong to one store: refuse another one (UserError naming both)
+        unless ``adopt``; record ``identity`` at the first mount (or when adopting).
+
+        A directory without the record (made before it existed) adopts silently."""
+        record = self.root / STORE_ID_NAME
+        try:
+            recorded: str | None = record.read_text().strip()
+        except FileNotFoundError:
+            recorded = None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"staging directory {self.root}: cannot read {record}: "
+                            f"{getattr(exc, 'strerror', None) or exc}") from None
+        if recorded == identity:
+            return
+        if recorded is not None and not adopt:
+            raise UserError(
+                f"staging directory {self.root} belongs to the store {recorded}, not {identity}: "
+                f"its files would go to (or vanish from) the wrong store; mount with that "
+                f"store, another staging directory, or --adopt-store to move it to {identity}")
+        tmp = self.root / f".{STORE_ID_NAME}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, (identity + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, record)
+            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            raise self._unusable(exc, "cannot record its store") from None
 
     def _unusable(self, exc: OSError, what: str) -> UserError:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -91,7 +91,9 @@ class Mount:
             args += ["--config", self.config]
         if self.store is not None:
             args += ["--store", self.store]
-        ckptfs(*args, *self.extra)
+        # The tests' stores are fresh temp directories: created at the first mount (a missing
+        # store is otherwise an error, tests/test_store_path.py).
+        ckptfs(*args, "--create-store", *self.extra)
 
 
 class Mounter:

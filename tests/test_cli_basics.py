@@ -108,7 +108,7 @@ def test_the_daemon_raises_its_open_file_limit(mounter: Mounter, tmp_path: Path)
     mounter.mounts.append(Mount(path, tmp_path / "st", tmp_path / "store"))
     subprocess.run([prlimit, f"--nofile=1024:{hard}", sys.executable, "-m", "ckptfs", "mount",
                     str(path), "--staging", str(tmp_path / "st"), "--store",
-                    str(tmp_path / "store")], check=True, capture_output=True, timeout=120)
+                    str(tmp_path / "store"), "--create-store"], check=True, capture_output=True, timeout=120)
     pid = mounter.mounts[-1].pid
     limits = Path(f"/proc/{pid}/limits").read_text().splitlines()
     row = next(line for line in limits if line.startswith("Max open files")).split()

@@ -79,7 +79,7 @@ set -e
 mount -t tmpfs -o mode=0755 tmpfs /run
 mkdir -m 0755 {run_dir}
 trap 'fusermount3 -u -z {q(str(mnt))} 2>/dev/null || true' EXIT
-{cli} mount {q(str(mnt))} --staging {q(str(staging))} --store {q(str(store))}
+{cli} mount {q(str(mnt))} --staging {q(str(staging))} --store {q(str(store))} --create-store
 echo data > {q(str(mnt / "f"))}
 {cli} status {q(str(mnt))} --json > {q(str(out / "status.json"))}
 {cli} sync {q(str(mnt))}

@@ -108,7 +108,7 @@ def test_metrics_port_in_use_fails_the_mount_with_one_line(
         mnt = tmp_path / "mnt"
         mnt.mkdir()
         done = ckptfs("mount", mnt, "--staging", tmp_path / "st", "--store", tmp_path / "s",
-                      "-o", f"metrics_port={port}", check=False)
+                      "--create-store", "-o", f"metrics_port={port}", check=False)
     assert done.returncode != 0
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and f"metrics_port {port}" in lines[0], done.stderr

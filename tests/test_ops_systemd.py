@@ -133,7 +133,7 @@ def test_background_daemon_does_not_inherit_notify_socket(
     mnt.mkdir()
     env = {**os.environ, "NOTIFY_SOCKET": address}
     ckptfs("mount", mnt, "--staging", tmp_path / "staging", "--store", tmp_path / "store",
-           env=env)
+           "--create-store", env=env)
     try:
         import json
 

@@ -161,7 +161,8 @@ def test_without_the_build_auto_falls_back_and_on_refuses(mounter: Mounter, tmp_
     mnt = tmp_path / "on" / "mnt"
     mnt.mkdir(parents=True)
     done = ckptfs("mount", mnt, "--staging", tmp_path / "on" / "staging",
-                  "--store", tmp_path / "store", "-o", "passthrough=on", check=False)
+                  "--store", tmp_path / "store", "--create-store", "-o", "passthrough=on",
+                  check=False)
     try:
         assert done.returncode != 0
         lines = done.stderr.strip().splitlines()

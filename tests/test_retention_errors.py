@@ -76,7 +76,7 @@ def test_mount_with_unreachable_colder_tier_fails_fast(tmp_path: Path) -> None:
     config = policy(tmp_path, extra=extra)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    done = ckptfs("mount", mnt, "--config", config, check=False)
+    done = ckptfs("mount", mnt, "--config", config, "--create-store", check=False)
     try:
         assert_user_error(done, "tier.2.url (cold)", "cannot be reached")
         assert not is_mounted(mnt)
