@@ -228,6 +228,8 @@ def ckptfs_config(staging: Path, *, store_dir: Path | None = None, moto: Moto | 
     """TOML for a mount whose warm tier is a directory or an S3 prefix on moto; ``faults``:
     more FaultConfig items (TOML inline-table syntax, e.g. ``down_file = "/x"``)."""
     lines = [f'staging_dir = "{staging}"', f"upload_concurrency = {upload_concurrency}"]
+    if store_dir is not None:
+        lines.append("create_store = true")  # a fresh directory per run (docs/CONFIGURATION.md)
     if extra:
         lines.append(extra)
     # Keep every checkpoint in both tiers: a benchmark measures writes and uploads, and
