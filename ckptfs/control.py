@@ -484,6 +484,9 @@ class ControlServer:
 
     async def _sync(self, stream: trio.SocketStream, path: str | None) -> None:
         """Stream progress until everything closed so far (under ``path``) is committed."""
+        # Someone waits for the store now: failing items (and a store-down probe) are tried
+        # within a second, not after their backoff (up to 90 s).
+        self.uploader.hurry()
         upto = self.uploader.last_seq()
         total = None
         while True:

@@ -205,7 +205,8 @@ class Uploader:
         self._queue(("sweep", sweep_id))
 
     def hurry(self) -> None:
-        """A writer waits for space: retry failed items soon, whatever their backoff says."""
+        """A writer waits for space, or ``ckptfs sync`` waits: retry failed items (and probe a
+        store taken as down) soon, whatever their backoff says."""
         limit = self._clock() + HURRY_DELAY
         self._probe_at = min(self._probe_at, limit)
         for work in self._pending.values():
