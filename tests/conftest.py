@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio.testing
 
-from tests.mounting import PASSTHROUGH, Mounter, mounter_in
+from tests.mounting import PASSTHROUGH, Mounter, Tmpfs, mounter_in
 from tests.s3bucket import Bucket
 from tests.s3server import S3Server, start_server
 from tests.seaweed import Seaweed, start_seaweed, weed_binary
@@ -67,6 +67,16 @@ def io_mode(request: pytest.FixtureRequest) -> str:
 def mounter(tmp_path: Path, io_mode: str) -> Iterator[Mounter]:
     with mounter_in(tmp_path, io_mode) as m:
         yield m
+
+
+@pytest.fixture
+def tmpfs() -> Iterator[Tmpfs]:
+    """Small tmpfs mounts (``tmpfs(path, options)``), all unmounted in teardown."""
+    t = Tmpfs()
+    try:
+        yield t
+    finally:
+        t.teardown()
 
 
 @pytest.fixture(scope="session")

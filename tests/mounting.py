@@ -204,3 +204,20 @@ def tiers_config(path: Path, url: str, /, *warm: str, faults: dict[str, Any] | N
                   for k, v in faults.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+class Tmpfs:
+    """Mounts small tmpfs file systems and unmounts every one of them in teardown."""
+
+    def __init__(self) -> None:
+        self.mounted: list[Path] = []
+
+    def __call__(self, path: Path, options: str = "size=1m") -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+        self.mounted.append(path)
+        return path
+
+    def teardown(self) -> None:
+        for path in reversed(self.mounted):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)

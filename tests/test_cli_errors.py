@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted
+from tests.mounting import Mount, Mounter, Tmpfs, ckptfs, is_mounted
 
 pytestmark = pytest.mark.mount
 
@@ -63,32 +63,6 @@ def assert_nothing_left(mountpoint: Path) -> None:
     while daemons_for(mountpoint) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert daemons_for(mountpoint) == [], f"a ckptfs daemon for {mountpoint} is still running"
-
-
-class Tmpfs:
-    """Mounts small tmpfs file systems and unmounts every one of them in teardown."""
-
-    def __init__(self) -> None:
-        self.mounted: list[Path] = []
-
-    def __call__(self, path: Path, options: str = "size=1m") -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
-        self.mounted.append(path)
-        return path
-
-    def teardown(self) -> None:
-        for path in reversed(self.mounted):
-            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
-
-
-@pytest.fixture
-def tmpfs() -> Iterator[Tmpfs]:
-    t = Tmpfs()
-    try:
-        yield t
-    finally:
-        t.teardown()
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted, sync
-from tests.test_cli_errors import Tmpfs, assert_nothing_left, assert_user_error
+from tests.mounting import Mount, Mounter, Tmpfs, ckptfs, is_mounted, sync
+from tests.test_cli_errors import assert_nothing_left, assert_user_error
 
 
 @pytest.fixture
@@ -29,15 +29,6 @@ def mnt(tmp_path: Path) -> Iterator[Path]:
         if is_mounted(path):
             subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True,
                            check=False)
-
-
-@pytest.fixture
-def tmpfs() -> Iterator[Tmpfs]:
-    t = Tmpfs()
-    try:
-        yield t
-    finally:
-        t.teardown()
 
 
 def _mount(mnt: Path, staging: Path, *args: str | os.PathLike[str],
