@@ -575,10 +575,15 @@ class Uploader:
                 work.not_before = now
                 self._pending.touch(work)
 
+    def _backoff(self, attempts: int) -> float:
+        """Seconds to wait after the ``attempts``-th failure in a row: doubling from
+        BACKOFF_BASE to BACKOFF_MAX, with jitter (×0.5 to ×1.5)."""
+        delay: float = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(attempts - 1, 20))
+        return delay * (0.5 + self._random.random())
+
     def _failed(self, work: Work, exc: Exception) -> None:
         work.attempts += 1
-        delay = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(work.attempts - 1, 20))
-        delay *= 0.5 + self._random.random()
+        delay = self._backoff(work.attempts)
         work.error = f"{type(exc).__name__}: {exc}"
         work.not_before = self._clock() + delay
         transient = self.tier.is_transient(exc)
@@ -589,9 +594,8 @@ class Uploader:
             self._failures_in_a_row += 1
             if self._failures_in_a_row >= OUTAGE_AFTER:
                 # Probes back off as one item does, counted from the outage's start.
-                probes = self._failures_in_a_row - OUTAGE_AFTER
-                wait = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(probes, 20))
-                self._probe_at = self._clock() + wait * (0.5 + self._random.random())
+                probes = self._failures_in_a_row - OUTAGE_AFTER + 1
+                self._probe_at = self._clock() + self._backoff(probes)
                 if self._outage_since is None:
                     self._outage_since = self._clock()
                     log.warning("the store looks down (%d failures in a row, the last: %s): "
