@@ -11,13 +11,15 @@ Invariants:
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
@@ -153,9 +155,14 @@ class TierConfig(_Strict):
     url: str | None = None
     keep: KeepRules = KeepRules(all=True)
     cost_per_tb_month: float = Field(default=0.0, ge=0)
-    # S3 connection settings; credentials default to boto3's standard chain.
+    # S3 connection settings; credentials default to boto3's standard chain (or ``profile``'s
+    # section of ~/.aws/config and ~/.aws/credentials).
     endpoint_url: str | None = None
-    region: str | None = None
+    region: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    profile: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.@+=,/-]{1,128}$")
+    # "path" (bucket in the URL path) is what MinIO, Ceph RGW and SeaweedFS behind a plain
+    # host name need; "auto" lets botocore choose (virtual-hosted on AWS).
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
     access_key_id: SecretStr | None = None
     secret_access_key: SecretStr | None = None
     # Multipart uploads: files larger than part_size go in parts, part_concurrency at once.
@@ -169,6 +176,24 @@ class TierConfig(_Strict):
         if value is not None:
             validate_tier_url(value)
         return value
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _valid_endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"must be an http:// or https:// URL, not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_credential_source(self) -> TierConfig:
+        # boto3 would take the explicit keys and silently ignore the profile: the operator
+        # would debug the wrong credentials.
+        if self.profile is not None and (self.access_key_id or self.secret_access_key):
+            raise ValueError("profile: give either profile or access_key_id/secret_access_key, "
+                             "not both")
+        return self
 
 
 def validate_tier_url(url: str) -> None:
@@ -284,6 +309,13 @@ class Config(_Strict):
     checkpoint_settle: SettleTime = timedelta(minutes=10)
     log_level: Annotated[Literal["debug", "info", "warning", "error"],
                          BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "info"
+    # Logs go to stderr (the journal, or <staging>/daemon.log when detached) unless log_file
+    # names a file, rotated at log_max_bytes with log_backups old files kept (.1, .2, ...).
+    log_file: Path | None = None
+    log_max_bytes: int = Field(default=64 * 1024**2, ge=1024**2)
+    log_backups: int = Field(default=5, ge=0, le=100)
+    # "json": one object per line (time, level, logger, message[, exception]) for collectors.
+    log_format: Literal["text", "json"] = "text"
     fuse_workers: int = Field(default=64, ge=1, le=1024)
     # Prometheus endpoint (metrics.py): off unless a port is given.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
@@ -292,10 +324,11 @@ class Config(_Strict):
     metrics_address: str = "127.0.0.1"
     tier: tuple[TierConfig, ...] = Field(default_factory=_default_tiers)
 
-    @field_validator("staging_dir")
+    @field_validator("staging_dir", "log_file")
     @classmethod
-    def _absolute(cls, value: Path) -> Path:
-        if not value.is_absolute():
+    def _absolute(cls, value: Path | None) -> Path | None:
+        # The daemon runs in "/": a relative path would mean another file than the one meant.
+        if value is not None and not value.is_absolute():
             raise ValueError(f"must be an absolute path, not {str(value)!r}")
         return value
 
@@ -398,12 +431,43 @@ def _format_validation_error(
                 break
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + did_you_mean(loc[-1] if loc else "", _known_keys(loc[:-1]))
         elif err["type"] not in ("value_error", "assertion_error") and _is_scalar(err["input"]):
             msg = f"{msg}, got {err['input']!r}"
         msg = " ".join(msg.split())  # one line, whatever pydantic says
         parts.append(f"{key}: {msg}" if key else msg)
     return f"invalid configuration ({source}): " + "; ".join(parts)
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'staging_dir'?)`` for a near miss among ``known``, else ``""``."""
+    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _known_keys(loc: tuple[str, ...]) -> frozenset[str]:
+    """The keys of the table at ``loc`` (``("tier", "1", "keep")``: a KeepRules)."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        if part.isdigit():
+            continue  # an index into a list of tables
+        field = model.model_fields.get(part)
+        inner = _model_in(field.annotation) if field is not None else None
+        if inner is None:
+            return frozenset()
+        model = inner
+    return frozenset(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model inside ``tuple[TierConfig, ...]``, ``FaultConfig | None``, ..., if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _is_scalar(value: Any) -> bool:
@@ -445,6 +509,13 @@ _FLAG_NAMES = {
     "allow_other": "--allow-other",
     "log_level": "--log-level",
 }
+# Overrides (flags and mount options) of the warm tier's S3 settings: option -> tier key.
+WARM_OVERRIDES = {
+    "s3_endpoint": "endpoint_url",
+    "s3_region": "region",
+    "s3_profile": "profile",
+    "s3_addressing_style": "addressing_style",
+}
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -467,7 +538,8 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
                 flag_names: dict[str, str] | None = None) -> Config:
     """Load ``path`` (or $CKPTFS_CONFIG, or nothing) and apply CLI ``overrides``.
 
-    Overrides use config keys, plus ``store`` which replaces the warm tier's URL.
+    Overrides use config keys, plus ``store`` which replaces the warm tier's URL and the
+    ``WARM_OVERRIDES`` (``s3_endpoint``, ...) which set the warm tier's S3 settings.
     ``flag_names`` names how an override was given (``-o upload_concurrency``) in errors.
     """
     names = {**_FLAG_NAMES, **(flag_names or {})}
@@ -478,28 +550,43 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         source = str(path)
         data = _read_toml(path)
     overrides = dict(overrides or {})
+    # Settings of the warm tier (tier.1): --store and the --s3-* flags.
+    warm: dict[str, tuple[str, Any]] = {}
     store = overrides.pop("store", None)
+    if store is not None:
+        warm["url"] = ("store", store_url(store))
+    for option, key in WARM_OVERRIDES.items():
+        value = overrides.pop(option, None)
+        if value is not None:
+            warm[key] = (option, value)
     flags = {}
     for key, value in overrides.items():
         if value is not None:
             data[key] = value
             flags[key] = names.get(key, "--" + key.replace("_", "-"))
-    if store is not None:
-        url = store_url(store)
+    if warm:
         if "tier" not in data:
             data["tier"] = [t.model_dump(exclude_none=True) for t in _default_tiers()]
         tiers = data["tier"]
         # A malformed tier list is reported by validation below, with its key.
         if isinstance(tiers, list) and all(isinstance(t, dict) for t in tiers):
+            first = names.get(next(iter(warm.values()))[0], "--store")
             if len(tiers) < 2:
                 raise UserError(
-                    f"--store needs a warm tier: the config ({source}) has only "
+                    f"{first} needs a warm tier: the config ({source}) has only "
                     f"{len(tiers)} tier(s)"
                 )
             tiers = [dict(t) for t in tiers]
-            tiers[1]["url"] = url
+            for key, (option, value) in warm.items():
+                tiers[1][key] = value
+                flags[f"tier.1.{key}"] = names.get(option, "--" + option.replace("_", "-"))
             data["tier"] = tiers
-            flags["tier.1.url"] = names.get("store", "--store")
+            url = tiers[1].get("url")
+            s3_keys = [o for o, _ in warm.values() if o in WARM_OVERRIDES]
+            if s3_keys and isinstance(url, str) and not url.startswith("s3://"):
+                option = s3_keys[0]
+                raise UserError(f"{names.get(option, '--' + option.replace('_', '-'))}: the "
+                                f"warm tier is {url}, not an s3:// store")
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

@@ -38,7 +38,8 @@ def _open(config: TierConfig) -> Tier:
 
         return S3Tier(
             config.name, config.url,
-            endpoint_url=config.endpoint_url, region=config.region,
+            endpoint_url=config.endpoint_url, region=config.region, profile=config.profile,
+            addressing_style=config.addressing_style,
             access_key_id=config.access_key_id.get_secret_value()
             if config.access_key_id else None,
             secret_access_key=config.secret_access_key.get_secret_value()

@@ -48,7 +48,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import trio
 
-from ckptfs.errors import StoreUnavailable
+from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.tiers.base import (
     Kind,
     ObjectArchived,
@@ -77,6 +77,32 @@ _TRANSIENT_CODES = {
     "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
 }
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+
+
+def credential_source(session: Any, profile: str | None) -> str:
+    """Where the session's credentials come from, as botocore names it ("env",
+    "shared-credentials-file", "iam-role", ...), with the profile; "none" if none were found.
+
+    Cheap after the client exists: creating it resolved (and cached) the credentials."""
+    credentials = session.get_credentials()
+    if credentials is None:
+        return "none found"
+    method = str(getattr(credentials, "method", None) or "unknown")
+    if method == "explicit":
+        return "from the tier's access_key_id"
+    return f"from {method}" + (f" (profile {profile})" if profile else "")
+
+
+def _aws_file(variable: str, name: str) -> str:
+    return os.environ.get(variable) or f"~/.aws/{name}"
+
+
+def _without_userinfo(url: str) -> str:
+    """``url`` without ``user:password@``: an endpoint may carry it, an error message may not."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
 class _PartReader(io.RawIOBase):
@@ -120,11 +146,13 @@ class S3Tier(Tier):
     def __init__(
         self, name: str, url: str, *, endpoint_url: str | None = None, region: str | None = None,
         access_key_id: str | None = None, secret_access_key: str | None = None,
+        profile: str | None = None, addressing_style: str = "auto",
         part_size: int = 16 * 1024 * 1024, part_concurrency: int = 4, threads: int = 16,
     ) -> None:
         super().__init__(name, url)
         import boto3
         from botocore.config import Config as BotoConfig
+        from botocore.exceptions import ProfileNotFound
 
         parts = urlsplit(url)
         self.bucket = parts.netloc
@@ -137,21 +165,37 @@ class S3Tier(Tier):
         self.copy_threshold = COPY_THRESHOLD
         self.copy_part_size = COPY_PART_SIZE
         self._limiter = trio.CapacityLimiter(threads)
-        self.client: Any = boto3.session.Session().client(
+        try:
+            # The keys go to the session, not the client: then the session's credentials are
+            # the ones the client signs with, and their ``method`` names where they came from.
+            session = boto3.session.Session(
+                profile_name=profile, aws_access_key_id=access_key_id,
+                aws_secret_access_key=secret_access_key)
+        except ProfileNotFound:
+            raise UserError(f"tier {name!r}: AWS profile {profile!r} is not defined (in "
+                            f"{_aws_file('AWS_CONFIG_FILE', 'config')} or "
+                            f"{_aws_file('AWS_SHARED_CREDENTIALS_FILE', 'credentials')})"
+                            ) from None
+        self.client: Any = session.client(
             "s3",
             endpoint_url=endpoint_url,
-            region_name=region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-            aws_access_key_id=access_key_id,
-            aws_secret_access_key=secret_access_key,
+            # The profile's region unless the tier names one; else us-east-1 (any region
+            # works for an S3-compatible endpoint, and AWS redirects).
+            region_name=region or session.region_name or "us-east-1",
             config=BotoConfig(
                 max_pool_connections=threads,
                 connect_timeout=5,
                 read_timeout=60,
                 retries={"max_attempts": 2, "mode": "standard"},
                 request_checksum_calculation="when_supported",
+                s3={"addressing_style": addressing_style},
             ),
         )
         self.client.meta.events.register("before-send.s3", _drop_expect)
+        # Named in every error of this tier: an AccessDenied is debugged by knowing which
+        # endpoint answered and which credentials were sent.
+        self.where = (f"endpoint {_without_userinfo(self.client.meta.endpoint_url)}, "
+                      f"credentials {credential_source(session, profile)}")
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -183,12 +227,13 @@ class S3Tier(Tier):
                 return ObjectArchived(message)
             if code == "PreconditionFailed" or status == "412":
                 return PreconditionFailed(message)
+            message += f" ({self.where})"
             if code in _TRANSIENT_CODES or status in _TRANSIENT_CODES:
                 return StoreUnavailable(message)
             return TierError(message)
         if isinstance(exc, BotoCoreError):
             # Connection refused/reset, timeouts, truncated reads: the store may come back.
-            return StoreUnavailable(f"{self.url}: {exc}")
+            return StoreUnavailable(f"{self.url}: {exc} ({self.where})")
         return exc
 
     def is_transient(self, exc: BaseException) -> bool:
