@@ -9,8 +9,10 @@ Invariants:
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+import logging.handlers
 import math
 import os
 import subprocess
@@ -81,23 +83,77 @@ class _OneLineRedacting(logging.Formatter):
         # Longest first: a secret that contains another is replaced whole.
         self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
 
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+    def redact(self, text: str) -> str:
         for secret in self.secrets:
             text = text.replace(secret, "***")
-        return text.replace("\n", " | ")
+        return text
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.redact(super().format(record)).replace("\n", " | ")
 
 
-def _setup_logging(level: str, secrets: list[str] | None = None) -> None:
-    # Under systemd (stderr is the journal) journald adds the time itself.
-    fmt = "%(levelname)s %(name)s: %(message)s"
-    if not os.environ.get("JOURNAL_STREAM"):
-        fmt = "%(asctime)s " + fmt
+class _JsonRedacting(_OneLineRedacting):
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, message[, exception].
+
+    Redacted before encoding: JSON escapes could hide a secret from a search in the encoded
+    text."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__("%(message)s", secrets)
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        event: dict[str, Any] = {
+            "time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": self.redact(record.getMessage()),
+        }
+        if record.exc_info:
+            event["exception"] = self.redact(self.formatException(record.exc_info))
+        return json.dumps(event, ensure_ascii=False)
+
+
+class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """A rotating log file created mode 0600 (also after each rotation): log lines name the
+    files of the mount and the stores, as the journal in the staging directory does."""
+
+    def _open(self) -> Any:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                     0o600)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
+def _log_handler(config: Config) -> logging.Handler:
+    """Where the daemon's log goes: ``log_file`` (rotated), else stderr. UserError if the
+    file cannot be opened."""
+    if config.log_file is None:
+        return logging.StreamHandler(sys.stderr)
+    try:
+        return _PrivateRotatingFileHandler(
+            config.log_file, maxBytes=config.log_max_bytes, backupCount=config.log_backups,
+            encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"log_file {config.log_file}: cannot open it: "
+                        f"{exc.strerror or exc}") from None
+
+
+def _setup_logging(config: Config) -> None:
     env_secrets = [os.environ.get(k, "") for k in
                    ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_OneLineRedacting(fmt, [*(secrets or []), *env_secrets]))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
+    secrets = [*config.secret_values(), *env_secrets]
+    formatter: logging.Formatter
+    if config.log_format == "json":
+        formatter = _JsonRedacting(secrets)
+    else:
+        # Under systemd (stderr is the journal) journald adds the time itself; a file has none.
+        fmt = "%(levelname)s %(name)s: %(message)s"
+        if config.log_file is not None or not os.environ.get("JOURNAL_STREAM"):
+            fmt = "%(asctime)s " + fmt
+        formatter = _OneLineRedacting(fmt, secrets)
+    handler = _log_handler(config)
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     # The AWS SDK's debug output is request dumps, not events: keep it at info and above.
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
@@ -116,36 +172,110 @@ def _seconds(value: float | None) -> float | None:
     return value
 
 
+# The configuration flags of ``mount``, which ``config check`` takes too.
+StagingOpt = Annotated[Path | None, typer.Option(
+    "--staging", help="Staging directory on local NVMe.", show_default=False)]
+StoreOpt = Annotated[str | None, typer.Option(
+    "--store", help="Warm tier: a directory, file:///dir or s3://bucket/prefix.",
+    show_default=False)]
+AllowOtherOpt = Annotated[bool | None, typer.Option(
+    "--allow-other/--no-allow-other", help="Let other users use the mount.",
+    show_default=False)]
+LogLevelOpt = Annotated[str | None, typer.Option(
+    "--log-level", help="debug, info, warning or error (any case). Default: info.",
+    metavar="LEVEL", show_default=False)]
+LogFileOpt = Annotated[Path | None, typer.Option(
+    "--log-file", help="Log to this file, rotated at log_max_bytes (default: stderr, which is "
+    "the journal or <staging>/daemon.log).", show_default=False)]
+LogFormatOpt = Annotated[str | None, typer.Option(
+    "--log-format", help="text or json (one object per line). Default: text.",
+    metavar="FORMAT", show_default=False)]
+ReadOnlyOpt = Annotated[bool | None, typer.Option(
+    "--read-only/--read-write", help="A reader's mount: no change, no upload, no "
+    "retention, never waited for by other nodes (-o ro).", show_default=False)]
+AdoptStoreOpt = Annotated[bool | None, typer.Option(
+    "--adopt-store", help="Use a staging directory that belongs to another store with "
+    "this one (its files then go here; -o adopt_store).", show_default=False)]
+CreateStoreOpt = Annotated[bool | None, typer.Option(
+    "--create-store", help="Create the store directory (a file tier) if it does not exist; "
+    "otherwise a missing one is an error (-o create_store).", show_default=False)]
+S3EndpointOpt = Annotated[str | None, typer.Option(
+    "--s3-endpoint", help="The warm tier's S3 endpoint, e.g. http://minio:9000 "
+    "(-o s3_endpoint).", metavar="URL", show_default=False)]
+S3RegionOpt = Annotated[str | None, typer.Option(
+    "--s3-region", help="The warm tier's S3 region (-o s3_region).", show_default=False)]
+S3ProfileOpt = Annotated[str | None, typer.Option(
+    "--s3-profile", help="AWS profile (~/.aws/config, ~/.aws/credentials) for the warm "
+    "tier's credentials (-o s3_profile).", metavar="NAME", show_default=False)]
+S3AddressingOpt = Annotated[str | None, typer.Option(
+    "--s3-addressing-style", help="auto, path (MinIO, Ceph) or virtual "
+    "(-o s3_addressing_style).", metavar="STYLE", show_default=False)]
+OptionsOpt = Annotated[list[str] | None, typer.Option(
+    "--option", "-o", help="Config keys as mount options: key=value,... "
+    "(as in fstab; see docs/CONFIGURATION.md).", metavar="KEY=VALUE,...",
+    show_default=False)]
+
+
+def _configure(
+    config_file: Path | None, options: list[str] | None, flags: dict[str, Any]
+) -> tuple[Path | None, dict[str, Any], Config]:
+    """The config file, the overrides and the validated configuration of ``mount`` (and
+    ``config check``): flags win over ``-o`` options, which win over the file."""
+    from ckptfs import mounthelper
+
+    parsed = mounthelper.parse_options(options or [])
+    # Relative paths are resolved here: the background daemon runs in "/".
+    config_file = config_path(config_file or parsed.config)
+    overrides: dict[str, Any] = dict(parsed.overrides)
+    overrides.update({k: v for k, v in flags.items() if v is not None or k not in overrides})
+    names = {k: f"-o {k}" for k in parsed.overrides if flags.get(k) is None}
+    return config_file, overrides, load_config(config_file, overrides, flag_names=names)
+
+
+def _flags(
+    staging: Path | None, store: str | None, allow_other: bool | None, log_level: str | None,
+    log_file: Path | None, log_format: str | None, read_only: bool | None,
+    create_store: bool | None, adopt_store: bool | None, s3_endpoint: str | None,
+    s3_region: str | None, s3_profile: str | None, s3_addressing_style: str | None,
+) -> dict[str, Any]:
+    """The overrides the flags of ``mount`` and ``config check`` give (None: not given)."""
+    return {
+        "staging_dir": _abs(staging),
+        "store": None if store is None else store_url(store),
+        "allow_other": allow_other,
+        "read_only": read_only,
+        "create_store": create_store,
+        "adopt_store": adopt_store,
+        "log_level": log_level,
+        "log_file": _abs(log_file),
+        "log_format": log_format,
+        "s3_endpoint": s3_endpoint,
+        "s3_region": s3_region,
+        "s3_profile": s3_profile,
+        "s3_addressing_style": s3_addressing_style,
+    }
+
+
 @app.command()
 def mount(
     mountpoint: Annotated[Path, typer.Argument(help="Where to mount, e.g. /ckpt.")],
     config_file: ConfigOpt = None,
-    staging: Annotated[Path | None, typer.Option(
-        help="Staging directory on local NVMe.", show_default=False)] = None,
-    store: Annotated[str | None, typer.Option(
-        help="Warm tier: a directory, file:///dir or s3://bucket/prefix.",
-        show_default=False)] = None,
-    allow_other: Annotated[bool | None, typer.Option(
-        "--allow-other/--no-allow-other", help="Let other users use the mount.",
-        show_default=False)] = None,
-    log_level: Annotated[str | None, typer.Option(
-        help="debug, info, warning or error (any case). Default: info.", metavar="LEVEL",
-        show_default=False)] = None,
-    read_only: Annotated[bool | None, typer.Option(
-        "--read-only/--read-write", help="A reader's mount: no change, no upload, no "
-        "retention, never waited for by other nodes (-o ro).", show_default=False)] = None,
-    adopt_store: Annotated[bool | None, typer.Option(
-        "--adopt-store", help="Use a staging directory that belongs to another store with "
-        "this one (its files then go here; -o adopt_store).", show_default=False)] = None,
-    create_store: Annotated[bool | None, typer.Option(
-        "--create-store", help="Create the store directory (a file tier) if it does not exist; "
-        "otherwise a missing one is an error (-o create_store).", show_default=False)] = None,
+    staging: StagingOpt = None,
+    store: StoreOpt = None,
+    allow_other: AllowOtherOpt = None,
+    log_level: LogLevelOpt = None,
+    log_file: LogFileOpt = None,
+    log_format: LogFormatOpt = None,
+    read_only: ReadOnlyOpt = None,
+    adopt_store: AdoptStoreOpt = None,
+    create_store: CreateStoreOpt = None,
+    s3_endpoint: S3EndpointOpt = None,
+    s3_region: S3RegionOpt = None,
+    s3_profile: S3ProfileOpt = None,
+    s3_addressing_style: S3AddressingOpt = None,
     foreground: Annotated[bool, typer.Option(
         "--foreground", "-f", help="Serve in this process (systemd, debugging).")] = False,
-    options: Annotated[list[str] | None, typer.Option(
-        "--option", "-o", help="Config keys as mount options: key=value,... "
-        "(as in fstab; see docs/CONFIGURATION.md).", metavar="KEY=VALUE,...",
-        show_default=False)] = None,
+    options: OptionsOpt = None,
     ready_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
 ) -> None:
     """Mount ckptfs at MOUNTPOINT; returns once the mount is ready.
@@ -159,27 +289,14 @@ def mount(
       ckptfs mount /ckpt --staging /nvme/ckptfs --store s3://ckpt/run1 \\
           -o upload_concurrency=8,passthrough=auto
     """
-    from ckptfs import mounthelper
-
-    parsed = mounthelper.parse_options(options or [])
-    # Relative paths are resolved here: the background daemon runs in "/".
-    config_file = config_path(config_file or parsed.config)
-    overrides: dict[str, Any] = dict(parsed.overrides)
-    flags: dict[str, Any] = {
-        "staging_dir": _abs(staging),
-        "store": None if store is None else store_url(store),
-        "allow_other": allow_other,
-        "read_only": read_only,
-        "create_store": create_store,
-        "adopt_store": adopt_store,
-        "log_level": log_level,
-    }
-    overrides.update({k: v for k, v in flags.items() if v is not None or k not in overrides})
-    names = {k: f"-o {k}" for k in parsed.overrides if flags.get(k) is None}
-    config = load_config(config_file, overrides, flag_names=names)
+    config_file, overrides, config = _configure(config_file, options, _flags(
+        staging, store, allow_other, log_level, log_file, log_format, read_only, create_store,
+        adopt_store, s3_endpoint, s3_region, s3_profile, s3_addressing_style))
     if not foreground:
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
+        # And on a log file the daemon could not open: it would fail before it can report.
+        _log_handler(config).close()
         warnings = _check_stores(config)
         _spawn_daemon(mountpoint, config_file, overrides)
         # After the mount: a failed one prints its one error line and nothing else.
@@ -192,6 +309,40 @@ def mount(
         for warning in _check_stores(config):
             print("ckptfs: warning: " + warning, file=sys.stderr)
     _serve_foreground(config, mountpoint, ready_fd)
+
+
+config_app = typer.Typer(help="Check the configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("check")
+def config_check(
+    config_file: ConfigOpt = None,
+    staging: StagingOpt = None,
+    store: StoreOpt = None,
+    allow_other: AllowOtherOpt = None,
+    log_level: LogLevelOpt = None,
+    log_file: LogFileOpt = None,
+    log_format: LogFormatOpt = None,
+    read_only: ReadOnlyOpt = None,
+    adopt_store: AdoptStoreOpt = None,
+    create_store: CreateStoreOpt = None,
+    s3_endpoint: S3EndpointOpt = None,
+    s3_region: S3RegionOpt = None,
+    s3_profile: S3ProfileOpt = None,
+    s3_addressing_style: S3AddressingOpt = None,
+    options: OptionsOpt = None,
+) -> None:
+    """Print the configuration a mount with these flags would use (as TOML, credentials as
+    ***), or the one-line error that mount would fail with. Checks no store."""
+    from ckptfs.config import to_toml
+
+    config_file, _, config = _configure(config_file, options, _flags(
+        staging, store, allow_other, log_level, log_file, log_format, read_only, create_store,
+        adopt_store, s3_endpoint, s3_region, s3_profile, s3_addressing_style))
+    print(f"# effective configuration: {config_file or 'embedded defaults'}, with the flags "
+          "given")
+    print(to_toml(config), end="")
 
 
 def _check_stores(config: Config) -> list[str]:
@@ -278,12 +429,6 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 
     from ckptfs.passthrough import use_patched_pyfuse3
 
-    _setup_logging(config.log_level, config.secret_values())
-    # Before ckptfs.mount imports pyfuse3: the passthrough build unless passthrough = off.
-    use_patched_pyfuse3(config.passthrough)
-    from ckptfs import mount as mount_mod
-    from ckptfs.storecheck import store_identity
-
     def report(message: str) -> None:
         nonlocal ready_fd
         if ready_fd is not None:
@@ -294,6 +439,18 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
                 pass  # the parent is gone; nobody is waiting for the answer
             finally:
                 os.close(fd)
+
+    try:
+        _setup_logging(config)
+    except UserError as exc:
+        if ready_fd is None:
+            raise
+        report(f"error: {exc}")
+        raise SystemExit(exc.exit_code) from None
+    # Before ckptfs.mount imports pyfuse3: the passthrough build unless passthrough = off.
+    use_patched_pyfuse3(config.passthrough)
+    from ckptfs import mount as mount_mod
+    from ckptfs.storecheck import store_identity
 
     try:
         real_mountpoint, staging = mount_mod.prepare(config, mountpoint)

@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import re
@@ -441,7 +442,7 @@ def _format_validation_error(
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:
     """`` (did you mean 'staging_dir'?)`` for a near miss among ``known``, else ``""``."""
-    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -591,3 +592,59 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         return Config.model_validate(data)
     except ValidationError as exc:
         raise UserError(_format_validation_error(exc, source, flags)) from None
+
+
+def to_toml(config: Config) -> str:
+    """``config`` as a TOML file that loads back to it, every key shown; credentials as
+    ``***`` (``ckptfs config check``). Keys with no value are comments: TOML has no null."""
+    lines = []
+    for key, value in config:
+        if key == "tier":
+            continue
+        if key == "checkpoint_settle" and value is None:
+            value = "off"
+        if key == "checkpoint_pattern" and config.step_regex is not None:
+            value = None  # the legacy step_regex rules instead; the two together are refused
+        lines.append(f"# {key} = (not set)" if value is None else f"{key} = {_toml(value)}")
+    for tier in config.tier:
+        lines += ["", "[[tier]]"]
+        for key, value in tier:
+            if isinstance(value, BaseModel):
+                # Only what differs from the defaults: keep = {} (nothing) is not keep = {}
+                # with every rule spelled out as off.
+                value = value.model_dump(exclude_defaults=True)
+            if value is not None:
+                lines.append(f"{key} = {_toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, SecretStr):
+        return '"***"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, timedelta):
+        return _toml(format_duration(value))
+    if isinstance(value, Path):
+        return _toml(str(value))
+    if isinstance(value, str):
+        # A JSON string with raw non-ASCII is a TOML basic string (same escapes).
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()
+                                if v is not None) + " }" if value else "{}"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def format_duration(value: timedelta) -> str:
+    """The shortest exact form ``parse_duration`` reads back: "10m", "7d", "50ms", "1.5s"."""
+    ms = round(value.total_seconds() * 1000)
+    for unit in ("w", "d", "h", "m", "s"):
+        size = round(_UNIT_SECONDS[unit] * 1000)
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"

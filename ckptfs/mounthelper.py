@@ -6,7 +6,9 @@ wrapper ``mount/mount.ckptfs`` (installed by ``mount/install.sh``), which runs `
 - SOURCE is the warm tier: ``s3://bucket/prefix``, ``file:///dir`` or a directory; ``ckptfs``
   or ``none`` takes it from the config file.
 - OPTIONS are configuration keys (``staging_dir=/nvme/ckptfs``, ``upload_concurrency=8``,
-  ``fsync=remote``, a bare ``allow_other``), plus ``config=/etc/ckptfs/ckpt.toml``. The generic
+  ``fsync=remote``, a bare ``allow_other``), plus ``config=/etc/ckptfs/ckpt.toml`` and the warm
+  tier's S3 settings (``s3_endpoint=http://minio:9000``, ``s3_region``, ``s3_profile``,
+  ``s3_addressing_style=path``). The generic
   options fstab and systemd use (``defaults``, ``auto``, ``noauto``, ``_netdev``,
   ``nofail``, ``x-systemd.*``, ``noatime``, ...) are accepted and ignored. ``nosuid`` and
   ``suid`` set the ``suid`` key, ``ro`` and ``rw`` (and mount(8)'s ``-r``/``-w``) the
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptfs.config import Config, load_config
+from ckptfs.config import WARM_OVERRIDES, Config, did_you_mean, load_config
 from ckptfs.errors import UserError
 
 # Accepted and ignored: they mean something to mount(8), fstab or systemd, not to ckptfs.
@@ -59,8 +61,9 @@ EXIT_USAGE = 1  # mount(8): "incorrect invocation or permissions"
 
 
 def option_keys() -> frozenset[str]:
-    """The configuration keys that may be given as mount options."""
-    return frozenset(Config.model_fields) - FILE_ONLY_KEYS
+    """The configuration keys that may be given as mount options, and the warm tier's S3
+    settings (``s3_endpoint``, ``s3_region``, ``s3_profile``, ``s3_addressing_style``)."""
+    return (frozenset(Config.model_fields) - FILE_ONLY_KEYS) | frozenset(WARM_OVERRIDES)
 
 
 def split_options(text: str) -> list[str]:
@@ -135,7 +138,8 @@ def parse_options(texts: Iterable[str], *, sloppy: bool = False) -> Options:
                 if sloppy:
                     result.ignored.append(item)
                     continue
-                raise UserError(f"unknown mount option {name!r} (see docs/CONFIGURATION.md)")
+                raise UserError(f"unknown mount option {name!r}{did_you_mean(name, keys)} "
+                                "(see docs/CONFIGURATION.md)")
             if not has_value:
                 if name not in bools:
                     raise UserError(f"mount option {name!r} needs a value: {name}=...")

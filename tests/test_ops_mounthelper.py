@@ -240,7 +240,7 @@ def test_fstab_line_with_a_bad_option_fails_with_one_line(
     assert done.returncode != 0
     assert done.stderr.splitlines() == [
         ("mount.ckptfs: error: unknown mount option 'upload_concurency' "
-        "(see docs/CONFIGURATION.md)")], done.stderr
+        "(did you mean 'upload_concurrency'?) (see docs/CONFIGURATION.md)")], done.stderr
     assert not is_mounted(fstab_mount)
 
 
