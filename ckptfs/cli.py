@@ -5,6 +5,10 @@ Invariants:
   never a traceback. Only bugs print tracebacks.
 - ``ckptfs mount`` without ``--foreground`` returns only once the mount is ready (or with the
   daemon's one-line error): the daemon reports through a pipe (``--ready-fd``).
+- ``mount`` and ``config check`` take the same flags and build the configuration the same way
+  (``_configure``): what ``config check`` prints is what ``mount`` would use.
+- Every log record is one line (text) or one JSON object per line, with every credential of
+  the configuration and the AWS environment replaced by ``***``, whatever the destination.
 """
 
 from __future__ import annotations

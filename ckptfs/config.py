@@ -314,7 +314,7 @@ class Config(_Strict):
     # names a file, rotated at log_max_bytes with log_backups old files kept (.1, .2, ...).
     log_file: Path | None = None
     log_max_bytes: int = Field(default=64 * 1024**2, ge=1024**2)
-    log_backups: int = Field(default=5, ge=0, le=100)
+    log_backups: int = Field(default=5, ge=1, le=100)
     # "json": one object per line (time, level, logger, message[, exception]) for collectors.
     log_format: Literal["text", "json"] = "text"
     fuse_workers: int = Field(default=64, ge=1, le=1024)

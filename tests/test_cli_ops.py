@@ -67,7 +67,7 @@ def test_config_check_prints_the_effective_config_that_loads_back(tmp_path: Path
     ('[[tier]]\nname = "hot"\n[[tier]]\nname = "warm"\nurl = "s3://b-1/p"\nendpiont = "x"\n',
      ["tier.1.endpiont: unknown key (did you mean 'endpoint_url'?)"]),
     ("log_max_bytes = 1000\n", ["log_max_bytes", "greater than or equal to 1048576"]),
-    ("log_backups = -1\n", ["log_backups"]),
+    ("log_backups = 0\n", ["log_backups", "greater than or equal to 1"]),
     ('log_file = "ckptfs.log"\n', ["log_file: must be an absolute path"]),
     ('log_format = "xml"\n', ["log_format", "'text' or 'json'"]),
     ("unrelated_thing = 1\n", ["unrelated_thing: unknown key"]),

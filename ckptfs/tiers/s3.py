@@ -2,7 +2,9 @@
 
 Invariants:
 - One boto3 client per tier, created once (clients are thread-safe); its connection pool is
-  as large as the thread limiter, so threads never wait for a connection.
+  as large as the thread limiter, so threads never wait for a connection. Its credentials
+  come from the tier's keys, else its ``profile``, else boto3's standard chain; an error of a
+  call names the endpoint and that source (``where``), never the credentials themselves.
 - Every boto3 call runs in ``trio.to_thread.run_sync`` under the tier's limiter; errors are
   translated at this boundary into StoreUnavailable (transient), ObjectMissing,
   ObjectArchived or TierError (permanent).
