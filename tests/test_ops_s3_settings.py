@@ -1,6 +1,7 @@
 """S3 connection settings of a tier (issue 20, item 13): ``profile`` and ``addressing_style``
-used against a real S3 server (SeaweedFS, tests/seaweed.py), and errors that name the
-endpoint and where the credentials came from.
+used against a real S3 server (SeaweedFS, tests/seaweed.py), and errors (of a call, of the
+check at mount, of the mount command) that keep the S3 error code and name the endpoint and
+where the credentials came from.
 
 The profile comes from temporary AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE files; every
 other source of credentials is removed from the environment, so the server accepting the
@@ -9,6 +10,7 @@ requests proves the profile's keys were the ones sent.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ from ckptfs.errors import UserError
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import ObjectMeta, TierError
 from ckptfs.tiers.s3 import S3Tier
+from tests.mounting import ckptfs
 from tests.seaweed import Seaweed
+from tests.test_cli_errors import assert_nothing_left, assert_user_error
 
 _AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
             "AWS_DEFAULT_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION")
@@ -149,3 +153,29 @@ def test_the_config_file_keys_reach_the_client(tmp_path: Path,
     assert isinstance(tier, S3Tier)
     assert tier.client.meta.config.s3["addressing_style"] == "virtual"
     assert tier.client.meta.region_name == "ceph-1"
+
+
+def test_a_store_that_cannot_be_reached_names_the_credential_source(aws_files: Path) -> None:
+    tier = S3Tier("warm", "s3://somebucket/p", endpoint_url="http://127.0.0.1:9",
+                  profile="ckpt")
+    with pytest.raises(TierError) as caught:
+        trio.run(tier.check)
+    text = str(caught.value)
+    assert "cannot be reached" in text and "endpoint http://127.0.0.1:9" in text, text
+    assert "credentials from shared-credentials-file (profile ckpt)" in text, text
+
+
+@pytest.mark.mount
+def test_a_mount_refused_by_the_store_says_why_in_one_line(
+    aws_files: Path, seaweed: Seaweed, tmp_path: Path
+) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = ckptfs("mount", mnt, "--staging", tmp_path / "staging",
+                  "--store", f"s3://{seaweed.new_bucket()}/run", "--s3-endpoint", seaweed.endpoint,
+                  "--s3-profile", "wrong", "--s3-addressing-style", "path", check=False,
+                  env=dict(os.environ))
+    line = assert_user_error(done, "refused access", f"endpoint {seaweed.endpoint}",
+                             "credentials from shared-credentials-file (profile wrong)")
+    assert "InvalidAccessKeyId" in line or "AccessDenied" in line or "403" in line, line
+    assert_nothing_left(mnt)

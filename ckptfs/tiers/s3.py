@@ -251,7 +251,9 @@ class S3Tier(Tier):
         except TierError as exc:
             raise TierError(f"store {self.url} refused access (check credentials): {exc}") from None
         except StoreUnavailable as exc:
-            raise TierError(f"store {self.url} cannot be reached: {exc.__cause__ or exc}") from None
+            # botocore's own text (which names the URL it tried), then where we sent it.
+            raise TierError(f"store {self.url} cannot be reached: {exc.__cause__ or exc} "
+                            f"({self.where})") from None
 
     async def cleanup(self, keys_of_ours: set[str]) -> int:
         if not keys_of_ours:
