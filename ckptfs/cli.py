@@ -142,6 +142,18 @@ def _log_handler(config: Config) -> logging.Handler:
                         f"{exc.strerror or exc}") from None
 
 
+def _check_log_file(config: Config, mountpoint: Path) -> None:
+    """UserError unless ``log_file`` (if any) can be opened and is outside the mount: the
+    daemon would fail before it could report, or write its log through itself."""
+    if config.log_file is None:
+        return
+    inside = os.path.realpath(mountpoint).rstrip("/") + "/"
+    if (os.path.realpath(config.log_file) + "/").startswith(inside):
+        raise UserError(f"log_file {config.log_file} is inside the mount {mountpoint}: the "
+                        "daemon would write its log through itself")
+    _log_handler(config).close()
+
+
 def _setup_logging(config: Config) -> None:
     env_secrets = [os.environ.get(k, "") for k in
                    ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
@@ -190,7 +202,7 @@ LogLevelOpt = Annotated[str | None, typer.Option(
     metavar="LEVEL", show_default=False)]
 LogFileOpt = Annotated[Path | None, typer.Option(
     "--log-file", help="Log to this file, rotated at log_max_bytes (default: stderr, which is "
-    "the journal or <staging>/daemon.log).", show_default=False)]
+    "the journal or <staging>/daemon.log).", metavar="PATH", show_default=False)]
 LogFormatOpt = Annotated[str | None, typer.Option(
     "--log-format", help="text or json (one object per line). Default: text.",
     metavar="FORMAT", show_default=False)]
@@ -207,7 +219,8 @@ S3EndpointOpt = Annotated[str | None, typer.Option(
     "--s3-endpoint", help="The warm tier's S3 endpoint, e.g. http://minio:9000 "
     "(-o s3_endpoint).", metavar="URL", show_default=False)]
 S3RegionOpt = Annotated[str | None, typer.Option(
-    "--s3-region", help="The warm tier's S3 region (-o s3_region).", show_default=False)]
+    "--s3-region", help="The warm tier's S3 region (-o s3_region).", metavar="REGION",
+    show_default=False)]
 S3ProfileOpt = Annotated[str | None, typer.Option(
     "--s3-profile", help="AWS profile (~/.aws/config, ~/.aws/credentials) for the warm "
     "tier's credentials (-o s3_profile).", metavar="NAME", show_default=False)]
@@ -299,8 +312,7 @@ def mount(
     if not foreground:
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
-        # And on a log file the daemon could not open: it would fail before it can report.
-        _log_handler(config).close()
+        _check_log_file(config, mountpoint)
         warnings = _check_stores(config)
         _spawn_daemon(mountpoint, config_file, overrides)
         # After the mount: a failed one prints its one error line and nothing else.
@@ -310,6 +322,7 @@ def mount(
         return
     if ready_fd is None:  # with --ready-fd, the parent that spawned this daemon checked
         check_mountpoint(mountpoint)
+        _check_log_file(config, mountpoint)
         for warning in _check_stores(config):
             print("ckptfs: warning: " + warning, file=sys.stderr)
     _serve_foreground(config, mountpoint, ready_fd)

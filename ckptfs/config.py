@@ -3,7 +3,9 @@
 Invariants:
 - Every default lives in this module (and is documented in docs/CONFIGURATION.md).
 - Unknown keys, wrong types and bad values are rejected at load with a ``UserError`` whose one
-  line names the offending key (``tier.1.url``), never later at first use.
+  line names the offending key (``tier.1.url``), never later at first use; an unknown key
+  close to a known one of its table gets "did you mean".
+- ``to_toml`` prints a configuration that loads back to the same one (credentials as ***).
 - With no file at all, ``Config()`` is the embedded default: staging in
   /var/lib/ckptfs/staging and the local directory /var/lib/ckptfs/store as the warm tier,
   which keeps every checkpoint (the default never deletes the only remote copy).

@@ -196,6 +196,16 @@ def test_a_log_file_that_cannot_be_opened_fails_the_mount_in_one_line(tmp_path: 
     assert_nothing_left(mnt)
 
 
+def test_a_log_file_inside_the_mount_is_refused(tmp_path: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = ckptfs("mount", mnt, "--staging", tmp_path / "st", "--store", tmp_path / "store",
+                  "--create-store", "-o", f"log_file={mnt}/logs/ckptfs.log", check=False)
+    assert_user_error(done, "log_file", "is inside the mount")
+    assert_nothing_left(mnt)
+    assert not (mnt / "logs").exists()
+
+
 @pytest.mark.mount
 @pytest.mark.timeout(240)
 def test_a_mount_logs_json_to_its_file_and_nodes_never_show_the_token(
