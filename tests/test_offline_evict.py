@@ -197,6 +197,22 @@ def test_full_staging_disk_cannot_mount_until_evicted_offline(
     assert "at least 16 MiB needed" in refused.stderr, refused.stderr
     assert not is_mounted(m.path)
 
+    # Not a byte left (something else filled the disk): SQLite cannot even open the journal.
+    # One line saying so and what to do; nothing changed.
+    filler = staging / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    err = offline(staging, check=False)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "KiB free" in err and "run this again" in err, err
+    assert len(list((staging / "data").iterdir())) == len(files)
+    filler.unlink()
+
     out = offline(staging)
     assert out.startswith("evicted 3 files, freed 36.0 MiB"), out
     assert "still too full" not in out, out
