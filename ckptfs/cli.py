@@ -467,7 +467,10 @@ def evict(
         "--dry-run", help="With --staging: say what would be evicted, change nothing.")
     ] = False,
 ) -> None:
-    """Drop the NVMe copies of committed files under PATH (they stay readable from the store)."""
+    """Drop the NVMe copies of committed files under PATH (they stay readable from the store).
+
+    With --staging DIR: offline, on an unmounted staging directory (one too full to mount,
+    docs/OPERATIONS.md); PATH is then relative to the mount root."""
     if staging is not None:
         _evict_offline(staging, path, dry_run)
         return
