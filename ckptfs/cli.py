@@ -500,7 +500,7 @@ def _evict_offline(staging: Path, prefix: Path | None, dry_run: bool) -> None:
     else:
         print(f"evicted {done.evicted_files} files, freed {mib:.1f} MiB")
     if done.kept:
-        print(f"kept {len(done.kept)} files not committed to the store:")
+        print(f"kept {len(done.kept)} files on the NVMe:")
         for line in done.kept[:20]:
             print(f"  {line}")
     free = f"{done.free_bytes / (1024 * 1024):.1f} MiB free on the staging filesystem"

@@ -12,9 +12,11 @@ Invariants:
   while this runs, no daemon can mount it.
 - Only linked regular files in state COMMITTED with a ``remote_key`` (uploaded to the warm
   tier and acknowledged) lose their local copy, and not those whose store copy is in an
-  archive storage class (a read would then need a restore first). OPEN, incomplete, STAGED
-  and UPLOADING files, and COMMITTED ones the journal knows no store copy of, are kept and
-  reported. REMOTE files lose what is left of their data file: fetched ranges (a cache of
+  archive storage class (a read would then need a restore first), nor those renamed since
+  the store copy was made (the move to the new key is still to do, and if the old key is
+  gone by then, the uploader falls back to uploading the local copy). OPEN, incomplete,
+  STAGED and UPLOADING files, and COMMITTED ones the journal knows no store copy of, are kept
+  and reported. REMOTE files lose what is left of their data file: fetched ranges (a cache of
   the store copy) or the leftover of an eviction cut short.
 - Journal first, as the daemon does: the rows are recorded REMOTE (and fetched ranges
   dropped) in one transaction, made durable (WAL fsynced), and only then are data files
@@ -116,6 +118,8 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
     if top != ROOT_INODE:
         below = {top, *journal.descendants(top)}
         candidates = [row for row in candidates if row.ino in below]
+    # COMMITTED rows among these are renamed ones whose move to the new key is not done.
+    unsettled = {row.ino for row in journal.unreconciled()}
     out = Outcome(dry_run=dry_run)
     victims: list[Row] = []
     leftovers: list[Row] = []  # REMOTE files with (part of) a data file
@@ -128,7 +132,7 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
                 out.evicted_files += 1
                 out.freed_bytes += _allocated(staging, row.ino)
             continue
-        why = _keep_reason(row)
+        why = _keep_reason(row, row.ino in unsettled)
         if why:
             path = os.fsdecode(journal.path_of(row.ino) or b"?")
             out.kept.append(f"{path}: {why}")
@@ -149,8 +153,9 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
     return out
 
 
-def _keep_reason(row: Row) -> str:
-    """Why ``row`` (linked, regular, not REMOTE) keeps its local data; "" if it may go."""
+def _keep_reason(row: Row, unsettled: bool) -> str:
+    """Why ``row`` (linked, regular, not REMOTE) keeps its local data; "" if it may go.
+    ``unsettled``: the journal has work left for it (``Journal.unreconciled``)."""
     if row.incomplete:
         return "incomplete (its writer never closed it)"
     if row.state is State.OPEN:
@@ -161,6 +166,8 @@ def _keep_reason(row: Row) -> str:
         return "committed, but the journal records no store copy"
     if row.storage_class in ARCHIVE_CLASSES:
         return f"its store copy is archived ({row.storage_class}): kept readable here"
+    if unsettled:
+        return "committed, but renamed since: the mount moves its store copy first"
     return ""
 
 

@@ -78,6 +78,7 @@ def test_offline_evict_drops_committed_keeps_staged_and_reads_back(rig: Rig) -> 
                  "step_100/.metadata": Payload(2, 4000),
                  "step_200/shard_0.distcp": Payload(3, 2 * MiB + 7)}
     inos = write(m, committed)
+    moved_ino = write(m, {"old/x": Payload(6, 70_000)})["old/x"]
     sync(m)
     assert {m.state(rel) for rel in committed} == {"committed"}
     # A file closed while the store is down: staged, never uploaded. It must keep its data.
@@ -85,6 +86,11 @@ def test_offline_evict_drops_committed_keeps_staged_and_reads_back(rig: Rig) -> 
     staged = {"step_300/shard_0.distcp": Payload(4, MiB + 3)}
     staged_ino = write(m, staged)["step_300/shard_0.distcp"]
     assert m.state("step_300/shard_0.distcp") in ("staged", "uploading")
+    # A committed file renamed meanwhile: its store copy is still at the old key. It keeps
+    # its data until the move is done (the uploader's fallback if the old key is gone).
+    (m.path / "new").mkdir()
+    os.rename(m.path / "old/x", m.path / "new/y")
+    assert m.state("new/y") == "committed"
     ckptfs("umount", m.path, "--no-wait")  # the staged file stays for the next mount
     assert not is_mounted(m.path)
     assert all(data_file(staging, ino).exists() for ino in inos.values())
@@ -102,10 +108,12 @@ def test_offline_evict_drops_committed_keeps_staged_and_reads_back(rig: Rig) -> 
 
     out = offline(staging)
     assert out.startswith("evicted 2 files, freed 3.0 MiB"), out
-    assert "kept 1 files not committed to the store" in out, out
+    assert "kept 2 files on the NVMe:" in out, out
     assert "step_300/shard_0.distcp: staged, not committed to the store yet" in out, out
+    assert "new/y: committed, but renamed since" in out, out
     assert not any(data_file(staging, ino).exists() for ino in inos.values())
     assert Payload(4, MiB + 3).check_file(data_file(staging, staged_ino)) is None
+    assert data_file(staging, moved_ino).exists()
 
     # Mounted again: the evicted files are remote and read back from the store; the staged
     # one is uploaded once the store is back.
@@ -118,6 +126,8 @@ def test_offline_evict_drops_committed_keeps_staged_and_reads_back(rig: Rig) -> 
     assert staged["step_300/shard_0.distcp"].check_file(
         rig.store / "step_300/shard_0.distcp") is None
     assert m.state("step_300/shard_0.distcp") == "committed"
+    assert Payload(6, 70_000).check_file(rig.store / "new/y") is None
+    assert not (rig.store / "old/x").exists()
 
 
 def test_a_mounted_staging_directory_is_refused(rig: Rig) -> None:
