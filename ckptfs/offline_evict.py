@@ -17,7 +17,7 @@ Invariants:
   gone by then, the uploader falls back to uploading the local copy). OPEN, incomplete,
   STAGED and UPLOADING files, and COMMITTED ones the journal knows no store copy of, are kept
   and reported. REMOTE files lose what is left of their data file: fetched ranges (a cache of
-  the store copy) or the leftover of an eviction cut short.
+  the store copy; kept if that copy is archived) or the leftover of an eviction cut short.
 - Journal first, as the daemon does: the rows are recorded REMOTE (and fetched ranges
   dropped) in one transaction, made durable (WAL fsynced), and only then are data files
   unlinked. A COMMITTED row therefore always keeps its whole data file.
@@ -127,7 +127,13 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
         if row.parent is None:
             continue  # unlinked while open: the next mount purges it, data and all
         if row.state is State.REMOTE:
-            if staging.exists(row.ino):
+            if row.storage_class in ARCHIVE_CLASSES and journal.ranges(row.ino):
+                # Fetched while restored: dropped, it could not be read again without
+                # another restore.
+                path = os.fsdecode(journal.path_of(row.ino) or b"?")
+                out.kept.append(f"{path}: fetched parts of an archived store copy "
+                                f"({row.storage_class})")
+            elif staging.exists(row.ino):
                 leftovers.append(row)
                 out.evicted_files += 1
                 out.freed_bytes += _allocated(staging, row.ino)

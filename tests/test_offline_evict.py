@@ -231,3 +231,25 @@ def test_full_staging_disk_cannot_mount_until_evicted_offline(
         assert m.state(rel) == "remote", rel
         assert payload.check_file(m.path / rel) is None, rel
     m.umount()
+
+
+def test_fetched_parts_of_a_remote_file_are_dropped(rig: Rig) -> None:
+    staging = rig.base / "staging"
+    m = rig.mount(staging, fetch_block_size=MiB, readahead_bytes=0)
+    payload = Payload(30, 4 * MiB + 11)
+    ino = write(m, {"step_1/big": payload})["step_1/big"]
+    sync(m)
+    ckptfs("evict", m.path / "step_1")  # online: remote, no local data
+    assert not data_file(staging, ino).exists()
+    with open(m.path / "step_1/big", "rb") as f:  # one block fetched back
+        assert f.read(100) == payload.data()[:100]
+    assert m.state("step_1/big") == "remote"
+    assert 0 < os.stat(data_file(staging, ino)).st_blocks * 512 < 4 * MiB
+    m.umount()
+
+    out = offline(staging)
+    assert out.startswith("evicted 1 files, freed "), out
+    assert not data_file(staging, ino).exists()
+    m.remount()
+    assert m.state("step_1/big") == "remote"
+    assert payload.check_file(m.path / "step_1/big") is None
