@@ -631,9 +631,27 @@ def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: 
 
 @app.command()
 def evict(
-    path: Annotated[Path, typer.Argument(help="A file or directory on a ckptfs mount.")],
+    path: Annotated[Path | None, typer.Argument(
+        help="A file or directory on a ckptfs mount; with --staging, a path relative to the "
+        "mount root (default: everything).", show_default=False)] = None,
+    staging: Annotated[Path | None, typer.Option(
+        "--staging", help="Evict offline, from this unmounted staging directory (e.g. one "
+        "too full to mount).", show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="With --staging: say what would be evicted, change nothing.")
+    ] = False,
 ) -> None:
-    """Drop the NVMe copies of committed files under PATH (they stay readable from the store)."""
+    """Drop the NVMe copies of committed files under PATH (they stay readable from the store).
+
+    With --staging DIR: offline, on an unmounted staging directory (one too full to mount,
+    docs/OPERATIONS.md); PATH is then relative to the mount root."""
+    if staging is not None:
+        _evict_offline(staging, path, dry_run)
+        return
+    if path is None:
+        raise UserError("evict needs a PATH on a ckptfs mount (or --staging DIR, offline)")
+    if dry_run:
+        raise UserError("--dry-run is for an offline eviction (--staging DIR)")
     entry, rel = client.locate(_existing(path))
     reply = client.evict(entry.mountpoint, rel)
     print(f"evicted {reply['evicted_files']} files, freed {_human(reply['freed_bytes'])}")
@@ -641,6 +659,30 @@ def evict(
         print(f"kept {reply['kept_count']} files that are open or not committed yet:")
         for line in reply.get("kept", []):
             print(f"  {line}")
+
+
+def _evict_offline(staging: Path, prefix: Path | None, dry_run: bool) -> None:
+    from ckptfs.offline_evict import evict_offline
+    from ckptfs.staging import MIN_FREE_BYTES_TO_MOUNT
+
+    done = evict_offline(Path(os.path.abspath(staging.expanduser())),
+                         str(prefix) if prefix is not None else "", dry_run)
+    mib = done.freed_bytes / (1024 * 1024)
+    if dry_run:
+        print(f"would evict {done.evicted_files} files, freeing {mib:.1f} MiB (dry run: "
+              "nothing changed)")
+    else:
+        print(f"evicted {done.evicted_files} files, freed {mib:.1f} MiB")
+    if done.kept:
+        print(f"kept {len(done.kept)} files on the NVMe:")
+        for line in done.kept[:20]:
+            print(f"  {line}")
+    free = f"{done.free_bytes / (1024 * 1024):.1f} MiB free on the staging filesystem"
+    if done.mountable:
+        print(free)
+    else:
+        print(f"{free}: still too full to mount (at least "
+              f"{MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed)")
 
 
 @app.command()

@@ -38,6 +38,11 @@ MIN_FREE_BYTES_TO_MOUNT = 16 * 1024 * 1024
 STORE_ID_NAME = "store-id"
 
 
+class StagingLocked(UserError):
+    """Another process holds ``<staging>/lock``: a daemon (or an offline command) owns the
+    directory. Its own type so that an offline command can say what to do instead."""
+
+
 @dataclass(slots=True)
 class _OpenData:
     fd: int
@@ -151,6 +156,14 @@ class Staging:
                 f"at least {MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed)"
             )
 
+    def lock(self) -> None:
+        """Take the directory's lock only, exactly as ``prepare`` does first, without setting
+        anything up or checking free space: ``ckptfs evict --staging`` must get in on a disk
+        too full to mount. StagingLocked if another process holds it."""
+        if not self.root.is_dir():
+            raise UserError(f"staging directory {self.root} is not a directory")
+        self._lock()
+
     def _lock(self) -> None:
         try:
             fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -160,7 +173,7 @@ class Staging:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise UserError(
+            raise StagingLocked(
                 f"staging directory {self.root} is in use by another ckptfs daemon"
             ) from None
         try:
