@@ -53,7 +53,7 @@ import math
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -490,10 +490,13 @@ class Retention:
     Invariants of applying:
     - with ``node`` set, nothing but evictions of this node's NVMe copies is applied unless
       this node holds the unexpired lease in the warm tier; it is taken only when copies,
-      removals or deletions are planned, renewed while applying (each such action starts
-      only while it is valid) and released after the run;
-    - the inventory is the store listing of every tier (``.ckptfs/`` excluded) merged with
-      the journal: checkpoints other nodes wrote are seen, and copied whole;
+      removals or deletions are planned (or, by the daemon, once per interval: ``scope``),
+      renewed while applying (each such action starts only while it is valid) and
+      released after the run;
+    - what is applied under the lease is planned from the store listing of every tier
+      (``.ckptfs/`` excluded) merged with the journal: checkpoints other nodes wrote are
+      seen, and copied whole; without it, only evictions, planned from this node's own
+      checkpoints (``_local_round``);
     - just before a checkpoint leaves NVMe (eviction, deletion), none of its files may be
       open; else it is skipped (``InUse``) and retried at the next run.
     """
@@ -534,13 +537,21 @@ class Retention:
 
     # -- state ------------------------------------------------------------------------
 
-    async def collect(self, now: float | None = None) -> Snapshot:
+    async def collect(self, now: float | None = None, *,
+                      only: Collection[str] | None = None) -> Snapshot:
+        """The inventory: the journal merged with every tier's listing. With ``only`` (the
+        checkpoints that have NVMe copies here, ``_local_names``), just those checkpoints:
+        the journal's files of them and one listing per checkpoint name and location,
+        instead of the whole store (``_local_round``)."""
         now = self.clock() if now is None else now
         files: list[LocalFile] = []
         names: list[str] = []
         if self.fs is not None:
             files, names = journal_files(self.fs.ns)
         name_of = self.detector.name_of
+        if only is not None:
+            files = [f for f in files if name_of(f.key) in only]
+            names = [n for n in names if name_of(n) in only]
         known = {name_of(f.key) for f in files}
         remote: dict[str, list[RemoteFile]] = {t: [] for t in self.tiers}
         locations: dict[str, list[TierPolicy]] = {}
@@ -551,7 +562,8 @@ class Retention:
         listed: list[tuple[str, ObjectInfo, ObjectMeta | None]] = []
         heads: list[tuple[int, str, ObjectInfo]] = []
         for location, members in locations.items():
-            infos = await self.tiers[members[0].name].list()
+            infos = await self._list(self.tiers[members[0].name], only,
+                                     location == self._warm().location)
             for info in infos:
                 if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY:
                     continue
@@ -589,6 +601,27 @@ class Retention:
         tier_bytes[HOT] = sum(f.size for f in files if f.local)
         return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now,
                         warm_pins, here)
+
+    async def _list(self, tier: Tier, only: Collection[str] | None,
+                    warm: bool) -> list[ObjectInfo]:
+        """Every object of ``tier``, or with ``only`` those of these checkpoints (and, on the
+        warm location, the node registrations the settle rule needs: one short listing)."""
+        if only is None:
+            return await tier.list()
+        name_of = self.detector.name_of
+        infos = await tier.list(NODES) if warm else []
+        for name in sorted(only):
+            # A prefix listing also returns step_50 for step_5: keep this checkpoint's keys.
+            infos += [i for i in await tier.list(name) if name_of(i.key) == name]
+        return infos
+
+    def _local_names(self) -> set[str]:
+        """The checkpoints with some data on NVMe here: all that evictions can concern."""
+        if self.fs is None:
+            return set()
+        files, _ = journal_files(self.fs.ns)
+        name_of = self.detector.name_of
+        return {name_of(f.key) for f in files if f.local}
 
     def _pinned(self, c: Checkpoint, warm: Sequence[Pin], here: Sequence[Pin],
                 now: float) -> Checkpoint:
@@ -660,15 +693,34 @@ class Retention:
 
     # -- applying ---------------------------------------------------------------------
 
-    async def run_once(self, now: float | None = None) -> RunResult:
+    async def run_once(self, now: float | None = None, *,
+                       scope: Literal["full", "local", "interval"] = "full") -> RunResult:
         """Plan and apply until nothing is left to do (copies first, removes the run after),
         under the lease when there is one; with another node holding it, nothing is done
-        and ``held_by`` says who."""
+        and ``held_by`` says who.
+
+        ``scope`` says how much of the store a node with a lease inventories before it
+        knows whether it will apply (item 5 of issue 19: with a thousand nodes, a listing
+        of the whole store by every node after every save is most of the store's load):
+        - ``"full"`` (``ckptfs retention --apply``, tests): the whole store, as the plan
+          that is shown;
+        - ``"local"`` (the daemon, after a save): only the checkpoints with NVMe copies
+          here (``_local_round``); the lease is taken, and the whole store listed, only if
+          that plan has shared work (copies, removals, deletions);
+        - ``"interval"`` (the daemon, once per ``retention_interval``): the same local
+          round, then the lease is taken whatever it showed, and only its holder lists the
+          whole store (what no node's NVMe shows: expiries of evicted checkpoints, other
+          nodes' checkpoints)."""
         async with self._lock:
             total = RunResult(at=self.clock())
-            if self.lease is not None and not await self._needs_lease(total, now):
-                self.last_run = {"at": self.clock(), **total.as_dict()}
-                return total
+            if self.lease is not None:
+                if scope == "full":
+                    shared = await self._needs_lease(total, now)
+                else:
+                    shared = await self._local_round(total, now) or scope == "interval"
+                if not shared:
+                    self.last_run = {"at": self.clock(), **total.as_dict()}
+                    return total
             if self.lease is not None:
                 holder = await self.lease.acquire()
                 if holder is not None:
@@ -701,6 +753,35 @@ class Retention:
         here; True if anything else (copies, removals, deletions: shared state) is planned.
         A run with nothing shared to do thus writes nothing to the store."""
         state = await self.collect(now)
+        self._learn_classes(state)
+        await self._prune_pins(state, shared=False)
+        actions = plan(state.checkpoints, self.policy, state.now)
+        total.blocked = [a for a in actions if a.blocked is not None]
+        runnable = [a for a in actions if a.blocked is None]
+        local = [a for a in runnable if a.kind == "evict"]
+        if local:
+            result = await self.apply(local, state)
+            total.done += result.done
+            total.failed += result.failed
+        return any(a.kind != "evict" for a in runnable)
+
+    async def _local_round(self, total: RunResult, now: float | None) -> bool:
+        """``_needs_lease`` on this node's checkpoints only (``collect(only=...)``): their
+        journal rows and one listing per checkpoint and location, never the whole store.
+
+        Why evicting from this partial view is safe: the planner sees a subset S of the
+        checkpoints G a full listing shows, with the same files and objects for each one
+        it sees. Every rule keeps in S at least what it keeps of S in G (a checkpoint
+        among the last N of G has fewer than N newer ones in S too; the newest of an hour
+        in G is the newest of that hour in S; a milestone is the smallest step past its
+        fraction in both), so an NVMe copy the full plan keeps is never evicted here; and
+        an eviction still needs a copy that stays in a tier, which this view lists. What
+        it cannot see (other checkpoints) only makes it keep more. Anything else it plans
+        is only a reason to take the lease; the holder re-plans from the whole store."""
+        only = self._local_names()
+        if not only:
+            return False
+        state = await self.collect(now, only=only)
         self._learn_classes(state)
         await self._prune_pins(state, shared=False)
         actions = plan(state.checkpoints, self.policy, state.now)
@@ -1037,14 +1118,19 @@ class Retention:
         if interval <= 0:
             return  # retention_interval = 0: only `ckptfs retention --apply`
         seen = -1
+        last_interval = -math.inf
         while True:
             with trio.move_on_after(interval):
                 while uploader.stats.uploaded_files == seen:
                     await uploader.wait_progress()
                 await uploader.wait_idle()
             seen = uploader.stats.uploaded_files
+            # A monotonic clock: the wall clock (``self.clock``) may be a test's or jump.
+            due = trio.current_time() - last_interval >= interval
+            if due:
+                last_interval = trio.current_time()
             try:
-                result = await self.run_once()
+                result = await self.run_once(scope="interval" if due else "local")
             except CkptfsError as exc:
                 log.warning("retention run skipped: %s", exc)
                 continue
