@@ -829,11 +829,17 @@ def test_fsx_warm_tier_after_umount(mounter: Mounter, tmp_path: Path, umask: Any
 # -- big directories and long names -----------------------------------------------------------
 
 
-def test_ten_thousand_entries(mounter: Mounter) -> None:
+# 3,000 entries in CI (the kernel reads a directory ~100 entries per request, so that is
+# still 30 readdir pages and several of the namespace's listing batches); the full 10,000 with
+# CKPTFS_TEST_BIG_DIR=10000 (benchmarks/README.md, "Full-size tests").
+BIG_DIR = int(os.environ.get("CKPTFS_TEST_BIG_DIR", "3000"))
+
+
+def test_a_big_directory(mounter: Mounter) -> None:
     m = mounter()
     big = m.path / "big"
     big.mkdir()
-    names = [f"entry_{i:05d}" for i in range(10_000)]
+    names = [f"entry_{i:05d}" for i in range(BIG_DIR)]
     for i, name in enumerate(names):
         if i % 10 == 0:
             os.mkdir(big / name, 0o755)
@@ -844,7 +850,7 @@ def test_ten_thousand_entries(mounter: Mounter) -> None:
 
     def check_listing() -> None:
         listing = os.listdir(big)
-        assert len(listing) == len(set(listing)) == 10_000
+        assert len(listing) == len(set(listing)) == BIG_DIR
         assert sorted(listing) == names
         with os.scandir(big) as it:
             for entry in it:
