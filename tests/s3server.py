@@ -126,6 +126,8 @@ class S3Server:
     _server: Any = None
     port: int = 0
     faults: Faults | None = None
+    # a ``key/`` object keeps its user metadata (tests/test_tier_contract.py checks it)
+    keeps_directory_metadata = True
 
     @contextlib.contextmanager
     def inject(self, *rules: Rule) -> Iterator[tuple[Rule, ...]]:
@@ -139,6 +141,11 @@ class S3Server:
             with self.faults.lock:
                 for rule in rules:
                     self.faults.rules.remove(rule)
+
+    @property
+    def tier_credentials(self) -> dict[str, str]:
+        """A tier's keys: none (moto accepts any; the environment has some, set above)."""
+        return {}
 
     def client(self) -> Any:
         import boto3

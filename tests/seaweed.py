@@ -129,6 +129,10 @@ class Seaweed:
     ports: dict[str, int] = field(default_factory=dict)
     directory: Path | None = None
     process: subprocess.Popen[bytes] | None = None
+    # A directory marker (a ``key/`` object) is a directory of SeaweedFS's filer: its body
+    # and user metadata are dropped (HEAD/GET answer none), and CopyObject of it is NoSuchKey.
+    # tests/test_tier_contract.py checks this against the server.
+    keeps_directory_metadata = False
 
     @property
     def endpoint(self) -> str:
@@ -191,22 +195,43 @@ class Seaweed:
             data = self.directory / "data"  # nothing of an attempt on other ports
             shutil.rmtree(data, ignore_errors=True)
             data.mkdir()
-            with self.log.open("ab") as log:
-                self.process = subprocess.Popen(
-                    [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *self.command()],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    cwd=self.directory, start_new_session=True)
             (self.directory / PORTS).write_text(json.dumps(self.ports))
             try:
-                self._wait_ready()
+                self._launch()
                 return
             except _Exited:
                 self._kill()
                 if attempt == attempts:
                     break
+        self._fail(f"weed mini did not start ({attempts} attempts)")
+
+    def _launch(self) -> None:
+        """Start ``weed`` on ``ports`` in ``directory``; return once S3 answers."""
+        assert self.directory is not None
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *self.command()],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.directory, start_new_session=True)
+        self._wait_ready()
+
+    def _fail(self, what: str) -> None:
         tail = self.log.read_text(errors="replace")[-3000:]
         self.stop()
-        raise RuntimeError(f"weed mini did not start ({attempts} attempts); its log ends:\n{tail}")
+        raise RuntimeError(f"{what}; its log ends:\n{tail}")
+
+    def pause(self) -> None:
+        """Stop ``weed`` (an outage) and keep its data, ports and directory for ``resume``."""
+        self._kill()
+
+    def resume(self) -> None:
+        """Start ``weed`` again after ``pause``, on the same ports with the same data."""
+        assert self.process is None and self.directory is not None
+        try:
+            self._launch()
+        except _Exited:
+            self._kill()
+            self._fail("weed mini did not start again")
 
     def _wait_ready(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
