@@ -125,7 +125,9 @@ class Seaweed:
 
     binary: Path
     access_key: str = field(default_factory=lambda: "ck" + secrets.token_hex(8))
-    secret_key: str = field(default_factory=lambda: secrets.token_hex(20))
+    # AWS-style: 40 characters of base64, "/" and "+" among them (they must survive the
+    # config file, signing, and redaction: tests/test_ops_status.py)
+    secret_key: str = field(default_factory=lambda: secrets.token_hex(19) + "/+")
     ports: dict[str, int] = field(default_factory=dict)
     directory: Path | None = None
     process: subprocess.Popen[bytes] | None = None
