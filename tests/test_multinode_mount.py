@@ -1,7 +1,7 @@
 """Real-mount acceptance tests of commit order across nodes (docs/SEMANTICS.md, "Many nodes").
 
-Several mounts on this machine, each with its own staging directory, over one S3 prefix on a
-moto server stand for the nodes of a training job. Node B's store is slowed down (the tier's
+Several mounts on this machine, each with its own staging directory, over one S3 prefix on the
+session's SeaweedFS stand for the nodes of a training job. Node B's store is slowed down (the tier's
 ``faults.bandwidth``), so its shard is still uploading when rank 0 on node A writes the
 checkpoint's ``.metadata``. What the store holds is read with boto3, as a reader on another
 machine would.

@@ -2,7 +2,7 @@
 mount, what ``nodes``/``status`` say about a node waited for, and what ``umount`` says about
 files it leaves behind (docs/SEMANTICS.md, "Many nodes"; docs/OPERATIONS.md).
 
-Mounts on this machine over one S3 prefix on a moto server stand for the nodes of a job
+Mounts on this machine over one S3 prefix on the session's SeaweedFS stand for the nodes of a job
 (tests/test_multinode_mount.py); tests/test_multinode_lazy.py checks the registration
 protocol itself without a mount.
 """

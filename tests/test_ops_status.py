@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.mounting import Mounter, ckptfs, status, tiers_config
-from tests.s3server import S3Server
+from tests.seaweed import Seaweed
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
@@ -144,34 +144,36 @@ def test_status_shows_a_store_outage_and_the_queue_waits_for_one_probe(
         assert (store / name).read_bytes() == name.encode() * 100
 
 
-ACCESS_KEY = "AKIAOPSTESTKEY123456"
 SECRET_KEY = "opsTestSecret/Very+Private/9876543210"
 
 
 def test_credentials_never_in_logs_status_or_command_line(
-        tmp_path: Path, mounter: Mounter, s3_server: S3Server) -> None:
-    bucket = s3_server.new_bucket()
+        tmp_path: Path, mounter: Mounter, seaweed: Seaweed) -> None:
+    """The session's SeaweedFS checks the keys: the upload proves they were used."""
+    bucket = seaweed.new_bucket()
+    access_key, secret_key = seaweed.access_key, seaweed.secret_key
+    assert "/" in secret_key and "+" in secret_key
     config = tmp_path / "ckptfs.toml"
     config.write_text("\n".join([
         'log_level = "debug"',
         "[[tier]]", 'name = "hot"',
         "[[tier]]", 'name = "warm"', f'url = "s3://{bucket}/run1"',
-        f'endpoint_url = "{s3_server.endpoint}"',
-        f'access_key_id = "{ACCESS_KEY}"', f'secret_access_key = "{SECRET_KEY}"',
+        f'endpoint_url = "{seaweed.endpoint}"',
+        f'access_key_id = "{access_key}"', f'secret_access_key = "{secret_key}"',
     ]) + "\n")
     os.chmod(config, 0o600)
     m = mounter(config=config)
     (m.path / "step_1").mkdir()
     (m.path / "step_1" / "model.pt").write_bytes(os.urandom(100 * KiB))
     ckptfs("sync", m.path)
-    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
+    keys = [o["Key"] for o in seaweed.client().list_objects_v2(Bucket=bucket)["Contents"]]
     assert "run1/step_1/model.pt" in keys  # the credentials were used
     report = ckptfs("status", "--json", m.path).stdout + ckptfs("status", m.path).stdout
     cmdline = Path(f"/proc/{m.pid}/cmdline").read_bytes().decode(errors="replace")
     m.umount()
     log = (m.staging / "daemon.log").read_text()
     assert "DEBUG" in log and "uploaded" in log  # the log was written, at debug level
-    for secret in (ACCESS_KEY, SECRET_KEY):
+    for secret in (access_key, secret_key):
         assert secret not in log
         assert secret not in report
         assert secret not in cmdline

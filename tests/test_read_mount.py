@@ -1,8 +1,9 @@
 """Real-mount acceptance tests of the read path with the warm tier on S3 over real HTTP.
 
 Several mounts on this machine with separate staging directories and one store prefix stand
-for several nodes. What the store serves is counted on the store side: moto's HTTP server
-logs every request (werkzeug), and ``StoreLog`` counts the GETs of object bodies.
+for several nodes. The store is the session's SeaweedFS, except where a test says
+(``moto``). What the store serves is counted on the store side: moto's HTTP server logs every
+request (werkzeug), and ``StoreLog`` counts the GETs of object bodies.
 
 tests/test_read_path.py checks the same rules without a mount (memory tier, virtual clock).
 """
@@ -25,7 +26,8 @@ from hypothesis import strategies as st
 
 from ckptfs.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, register_first, status
-from tests.s3bucket import PREFIX, Bucket
+from tests.s3bucket import ARCHIVE, PREFIX, REQUEST_LOG, UNSAFE_KEYS, Bucket
+from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(600)]
 
@@ -58,6 +60,9 @@ class StoreLog(logging.Handler):
 
 @pytest.fixture
 def store_log(bucket: Bucket) -> Iterator[StoreLog]:
+    """Needs moto (``@pytest.mark.moto(REQUEST_LOG)``): on another server it would count
+    nothing."""
+    assert isinstance(bucket.server, S3Server), "store_log needs @pytest.mark.moto(REQUEST_LOG)"
     handler = StoreLog(bucket.name)
     logger = logging.getLogger("werkzeug")
     old_level = logger.level
@@ -116,6 +121,7 @@ def test_dcp_saved_on_two_nodes_loads_on_a_third(mounter: Mounter, bucket: Bucke
 
 
 @pytest.mark.torch
+@pytest.mark.moto(REQUEST_LOG)
 def test_lazy_torch_load_fetches_only_what_it_reads(mounter: Mounter, bucket: Bucket,
                                                     store_log: StoreLog, tmp_path: Path) -> None:
     import torch
@@ -245,6 +251,7 @@ def test_corrupt_object_is_eio_and_deleted_object_estale(mounter: Mounter, bucke
 # 5. An object only in GLACIER
 
 
+@pytest.mark.moto(ARCHIVE)
 def test_glacier_object_needs_restore(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
     cfg = config(bucket, tmp_path)
     a = mounter("a", config=cfg)
@@ -282,6 +289,7 @@ def test_glacier_object_needs_restore(mounter: Mounter, bucket: Bucket, tmp_path
 # 6. ls -R of 1,000 files without a single body download
 
 
+@pytest.mark.moto(REQUEST_LOG)
 def test_ls_of_a_thousand_files_downloads_no_body(mounter: Mounter, bucket: Bucket,
                                                   store_log: StoreLog, tmp_path: Path) -> None:
     cfg = config(bucket, tmp_path, upload_concurrency=16)
@@ -328,6 +336,7 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
 # Names from the store that are not safe path components (issue #6, item 5)
 
 
+@pytest.mark.moto(UNSAFE_KEYS)
 def test_unsafe_names_in_the_store_never_leave_the_mount(mounter: Mounter, bucket: Bucket,
                                                          tmp_path: Path) -> None:
     bad = ["../x_escaped", "a/../../b_escaped", "c/" + "n" * 300, "d//e", "ok/./f"]

@@ -3,6 +3,8 @@
 
 Policy: hot and warm keep the last complete checkpoint, ``cold`` (the warm tier's prefix in
 GLACIER) keeps them all; retention runs only when asked (``ckptfs retention --apply``).
+
+On moto (``moto`` marker): these tests restore archived objects, which SeaweedFS cannot.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from pathlib import Path
 import pytest
 
 from tests.mounting import Mount, Mounter, ckptfs, sync
-from tests.s3bucket import PREFIX, Bucket
+from tests.s3bucket import ARCHIVE, PREFIX, Bucket, store_lines
 
-pytestmark = [pytest.mark.mount, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(600), pytest.mark.moto(ARCHIVE)]
 
 
 def archive_config(bucket: Bucket, path: Path) -> Path:
     url = f"s3://{bucket.name}/{PREFIX.rstrip('/')}"
+    store = "\n".join(store_lines(bucket.server))
     path.write_text(f"""
 retention_interval = 0
 metadata_ttl = "1s"
@@ -35,13 +38,13 @@ keep = {{ last = 1 }}
 [[tier]]
 name = "warm"
 url = "{url}"
-endpoint_url = "{bucket.server.endpoint}"
+{store}
 keep = {{ last = 1 }}
 
 [[tier]]
 name = "cold"
 url = "{url}?storage_class=GLACIER"
-endpoint_url = "{bucket.server.endpoint}"
+{store}
 keep = {{ all = true }}
 """)
     return path

@@ -1,4 +1,4 @@
-"""Retention with two real mounts over one S3 prefix (moto), docs/RETENTION.md "Several nodes".
+"""Retention with two real mounts over one S3 prefix (SeaweedFS), docs/RETENTION.md "Several nodes".
 
 Node A and node B write multi-node checkpoints (each a shard, A the ``.metadata`` marker), B
 also a whole checkpoint of its own, and two that never got their marker (an old one and the
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.mounting import CKPTFS, Mount, Mounter, ckptfs, sync, wait_for
-from tests.s3bucket import PREFIX, Bucket
+from tests.s3bucket import PREFIX, Bucket, store_lines
 
 pytestmark = pytest.mark.mount
 
@@ -35,6 +35,7 @@ LEASE = ".ckptfs/retention.lease"
 def node_config(bucket: Bucket, path: Path, node: str, latency: str | None = None) -> Path:
     """hot and warm keep the last complete checkpoint; retention runs only when asked."""
     faults = f"\n[tier.faults]\nlatency = {json.dumps(latency)}\n" if latency else ""
+    store = "\n".join(store_lines(bucket.server))
     path.write_text(f"""
 node_id = "{node}"
 retention_interval = 0
@@ -50,7 +51,7 @@ keep = {{ last = 1 }}
 [[tier]]
 name = "warm"
 url = "s3://{bucket.name}/{PREFIX.rstrip('/')}"
-endpoint_url = "{bucket.server.endpoint}"
+{store}
 keep = {{ last = 1 }}
 {faults}""")
     return path

@@ -1,9 +1,9 @@
 """Ten simulated days of hourly checkpoints under the design's default policy.
 
-The filesystem core and the uploader run for real (memory tiers, or S3 over moto's HTTP
-server); time is simulated: each checkpoint is committed at its simulated hour (the uploader
-stamps wall time, so the test moves ``committed_at`` to the simulated hour, as if the clock
-had been there), and retention runs after each commit with ``now`` = that hour. At the end,
+The filesystem core and the uploader run for real (memory tiers, or S3 on the session's
+SeaweedFS); time is simulated: each checkpoint is committed at its simulated hour (the
+uploader stamps wall time, so the test moves ``committed_at`` to the simulated hour, as if
+the clock had been there), and retention runs after each commit with ``now`` = that hour. At the end,
 every tier must hold exactly what the rules select, computed here independently with
 ``datetime`` calendar arithmetic.
 """
@@ -29,7 +29,7 @@ from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier
 from ckptfs.tiers.memory import MemoryTier
 from ckptfs.upload import Uploader
-from tests.s3server import S3Server
+from tests.s3bucket import Server
 
 T0 = datetime(2025, 3, 3, 0, 30, tzinfo=UTC).timestamp()  # a Monday, half past midnight
 HOURS = 240
@@ -74,8 +74,8 @@ def expected_sets() -> dict[str, set[str]]:
     }
 
 
-def config_for(urls: dict[str, str], endpoint: str | None = None) -> Config:
-    extra = {"endpoint_url": endpoint} if endpoint else {}
+def config_for(urls: dict[str, str], server: Server | None = None) -> Config:
+    extra = {"endpoint_url": server.endpoint, **server.tier_credentials} if server else {}
     return Config.model_validate({
         "staging_dir": "/tmp/unused",
         "total_steps": TOTAL_STEPS,
@@ -205,13 +205,13 @@ async def test_ten_days_memory_tiers(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-async def test_ten_days_s3_storage_classes(tmp_path: Path, s3_server: S3Server) -> None:
-    bucket = s3_server.new_bucket()
+async def test_ten_days_s3_storage_classes(tmp_path: Path, s3: Server) -> None:
+    bucket = s3.new_bucket()
     # warm and cold are one prefix in two storage classes (in-place transitions); the
     # archive is another prefix of the same bucket (server-side copies with a class).
     urls = {"warm": f"s3://{bucket}/run1", "cold": f"s3://{bucket}/run1?storage_class=GLACIER",
             "archive": f"s3://{bucket}/archive?storage_class=DEEP_ARCHIVE"}
-    config = config_for(urls, s3_server.endpoint)
+    config = config_for(urls, s3)
     tiers = {t.name: open_tier(t) for t in config.tier[1:]}
     try:
         fs = await simulate(tmp_path, config, tiers)
@@ -219,7 +219,7 @@ async def test_ten_days_s3_storage_classes(tmp_path: Path, s3_server: S3Server) 
         for tier in tiers.values():
             await tier.aclose()
     expected = expected_sets()
-    client = s3_server.client()
+    client = s3.client()
     classes: dict[str, dict[str, str]] = {"run1": {}, "archive": {}}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for obj in page.get("Contents", []):

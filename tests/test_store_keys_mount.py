@@ -1,8 +1,8 @@
 """Store keys have one owner (docs/SEMANTICS.md, "Store keys"), on real mounts.
 
 Two mounts on this machine (two nodes: separate staging directories) over one S3 prefix on
-the suite's moto server; the endpoint itself fails and slows requests where a test says so
-(tests/s3server.py, ``Rule``). What the store holds is read with boto3, as a reader on
+the suite's SeaweedFS; where the endpoint itself fails and slows requests (tests/s3server.py,
+``Rule``) the server is moto, whose requests go through that middleware (``moto`` marker). What the store holds is read with boto3, as a reader on
 another machine would. The unit-level versions are tests/test_store_keys.py and
 tests/test_peer_renames.py; the three scenarios here are issue 15's real-mount acceptance
 tests: a tmp-dir commit across nodes, a rotation with a store that fails once and is slow,
@@ -22,7 +22,7 @@ import pytest
 
 from ckptfs.keys import PARKING_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, sync
-from tests.s3bucket import PREFIX, Bucket, crc
+from tests.s3bucket import FAULT_RULES, PREFIX, Bucket, crc
 from tests.s3server import Rule
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(300)]
@@ -150,6 +150,7 @@ def test_tmp_dir_commit_across_nodes_leaves_only_the_committed_name(
     assert "uploading the local copy again" not in log_of(b), log_of(b)
 
 
+@pytest.mark.moto(FAULT_RULES)
 @pytest.mark.parametrize("fail", [1, 3], ids=["503-hidden-by-botocore", "503-seen-by-ckptfs"])
 def test_rotation_with_a_store_that_fails_once_and_is_slow(
         mounter: Mounter, bucket: Bucket, tmp_path: Path, fail: int) -> None:
@@ -184,6 +185,7 @@ def test_rotation_with_a_store_that_fails_once_and_is_slow(
     assert (b.path / "ckpt").read_bytes() == new
 
 
+@pytest.mark.moto(FAULT_RULES)
 def test_directory_exchange_then_evict_reads_the_swapped_bytes(
         mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
     """``renameat2(cur, nxt, RENAME_EXCHANGE)`` of two directories that both hold
@@ -214,6 +216,7 @@ def test_directory_exchange_then_evict_reads_the_swapped_bytes(
     assert (b.path / "nxt/model.pt").read_bytes() == cur
 
 
+@pytest.mark.moto(FAULT_RULES)
 def test_tmp_dir_commit_while_another_nodes_shard_is_uploading(
         mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
     """DCP into ``step_1.tmp/`` then rank 0's rename, as frameworks do after the job's

@@ -262,6 +262,26 @@ async def test_list_dir_is_one_level(tier: Tier, tmp_path: Path) -> None:
     assert await tier.list_dir("nothing/") == []
 
 
+async def test_s3_list_dir_drops_a_prefix_once_its_last_key_is_gone(
+        s3_endpoint: S3Server | Seaweed, tmp_path: Path) -> None:
+    """A prefix whose keys (its marker too) are all deleted is no longer listed, at once, as
+    on AWS. SeaweedFS keeps such a directory of its filer for minutes (its empty-folder
+    cleanup) and lists it as a common prefix, so a renamed or removed directory would come
+    back on the mount: ``list_dir`` drops it. (A file tier's directories are real ones.)"""
+    tier = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/run1")
+    src, data = make_file(tmp_path, 100)
+    await tier.put_entry("d/", ObjectMeta(Kind.DIRECTORY, 0o750))
+    await tier.put_entry("d/e/", ObjectMeta(Kind.DIRECTORY, 0o750))
+    for key in ("d/e/f", "d/g", "implicit/h", "keep/k"):
+        await tier.put_file(key, src, len(data), META)
+    assert {i.key for i in await tier.list_dir("")} == {"d/", "implicit/", "keep/"}
+    for key in ("d/e/f", "d/e/", "d/g", "d/", "implicit/h"):
+        await tier.delete(key)
+    assert [i.key for i in await tier.list_dir("")] == ["keep/"]
+    assert await tier.list_dir("d/") == []
+    await tier.aclose()
+
+
 async def test_small_objects_are_compare_and_swap(tier: Tier) -> None:
     key = ".ckptfs/lease"
     with pytest.raises(ObjectMissing):
@@ -378,6 +398,25 @@ async def test_s3_plain_self_copy_is_refused(s3_endpoint: S3Server | Seaweed) ->
         assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
     await t.promote("x")  # REPLACE with the same metadata: allowed
     assert await t.get_small("x") == (b"body", (await t.head("x")).etag)
+    await t.aclose()
+
+
+async def test_s3_directory_marker_metadata_as_the_fixtures_say(
+        s3_endpoint: S3Server | Seaweed) -> None:
+    """A directory marker (``key/``) keeps its user metadata on moto (and AWS); SeaweedFS
+    makes it a directory of its filer and drops the metadata (and refuses to copy it), as
+    ``keeps_directory_metadata`` tells the mount tests. Either way it is listed and is a
+    directory to ``head``."""
+    t = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/run1")
+    await t.put_entry("d/", ObjectMeta(Kind.DIRECTORY, 0o750, 7, 0, 0))
+    meta = t.client.head_object(Bucket=t.bucket, Key="run1/d/").get("Metadata", {})
+    assert bool(meta) == s3_endpoint.keeps_directory_metadata, meta
+    if s3_endpoint.keeps_directory_metadata:
+        assert meta["ckptfs-kind"] == "dir" and meta["ckptfs-mode"] == "750", meta
+    info = await t.head("d/")
+    assert info.meta.kind is Kind.DIRECTORY
+    assert info.meta.mode == (0o750 if s3_endpoint.keeps_directory_metadata else 0o755)
+    assert [i.key for i in await t.list()] == ["d/"]
     await t.aclose()
 
 

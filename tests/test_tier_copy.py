@@ -4,7 +4,8 @@
   also in the middle of a multipart copy (which is then aborted);
 - S3 copies keep all metadata through our own multipart copy, between tiers too, and a
   self-copy (promote, in-place transition) is a REPLACE with the same metadata, which
-  SeaweedFS accepts (its refusal of the plain one is emulated: tests/s3conditions.py);
+  SeaweedFS accepts (the S3 tests run on the session's SeaweedFS, ``s3``; on moto its
+  refusal of the plain one would be emulated: tests/s3conditions.py);
 - retention's copies through the node are checked against the recorded CRC32C before they
   are put (streamed, from a file tier, from NVMe) and carry block CRCs; ``verify`` rejects a
   copy without the checksum.
@@ -38,6 +39,7 @@ from ckptfs.tiers.memory import MemoryTier, store_named
 from ckptfs.tiers.s3 import MIN_PART_SIZE, S3Tier
 from ckptfs.tiers.transfer import CopyMismatch, StreamSums, copy_object, put_checked, verify
 from ckptfs.upload import Uploader
+from tests.s3bucket import Server
 from tests.s3conditions import count_calls, honour_copy_conditions, refuse_plain_self_copy
 from tests.s3server import S3Server
 from tests.test_retention_sim import write
@@ -45,11 +47,13 @@ from tests.test_retention_sim import write
 SIZE = 2 * MIN_PART_SIZE + 12345  # three parts of MIN_PART_SIZE
 
 
-def s3_tier(server: S3Server, url_tail: str, bucket: str | None = None) -> S3Tier:
+def s3_tier(server: Server, url_tail: str, bucket: str | None = None) -> S3Tier:
     tier = S3Tier("warm", f"s3://{bucket or server.new_bucket()}/{url_tail}",
-                  endpoint_url=server.endpoint, part_size=MIN_PART_SIZE, part_concurrency=2)
-    honour_copy_conditions(tier.client)
-    refuse_plain_self_copy(tier.client)
+                  endpoint_url=server.endpoint, part_size=MIN_PART_SIZE, part_concurrency=2,
+                  **server.tier_credentials)
+    if isinstance(server, S3Server):  # as SeaweedFS (and AWS) answer copies
+        honour_copy_conditions(tier.client)
+        refuse_plain_self_copy(tier.client)
     tier.copy_threshold = tier.copy_part_size = MIN_PART_SIZE
     return tier
 
@@ -94,9 +98,9 @@ def rewrite_after_first(client: Any, operation: str, bucket: str, key: str) -> N
 
 
 @pytest.mark.parametrize("size", [1000, SIZE], ids=["single", "multipart"])
-async def test_s3_source_rewritten_after_the_look(s3_server: S3Server, tmp_path: Path,
+async def test_s3_source_rewritten_after_the_look(s3: Server, tmp_path: Path,
                                                   size: int) -> None:
-    tier = s3_tier(s3_server, "run1")
+    tier = s3_tier(s3, "run1")
     src, _, meta = put_source(tmp_path, size)
     tag = await tier.put_file("ckpt", src, size, meta)
     # After the tier's own HEAD (single copy) / after the first part (multipart).
@@ -112,10 +116,10 @@ async def test_s3_source_rewritten_after_the_look(s3_server: S3Server, tmp_path:
 
 
 async def test_s3_unpinned_multipart_copy_of_a_changing_source_is_retried(
-        s3_server: S3Server, tmp_path: Path) -> None:
+        s3: Server, tmp_path: Path) -> None:
     """Parts of two versions are never stitched together: the parts are pinned to the ETag
     the copy's HEAD saw, and a change mid-way is a transient error (copy again)."""
-    tier = s3_tier(s3_server, "run1")
+    tier = s3_tier(s3, "run1")
     src, _, meta = put_source(tmp_path, SIZE)
     await tier.put_file("ckpt", src, SIZE, meta)
     rewrite_after_first(tier.client, "UploadPartCopy", tier.bucket, tier._key("ckpt"))
@@ -156,12 +160,12 @@ async def test_file_tier_copies_the_inode_it_checked(tmp_path: Path,
 # -- item 3: metadata through multipart copies, promote, transfers between tiers --------------
 
 
-async def test_promote_is_a_replace_with_the_same_metadata(s3_server: S3Server,
+async def test_promote_is_a_replace_with_the_same_metadata(s3: Server,
                                                            tmp_path: Path) -> None:
-    """SeaweedFS refuses a plain self-copy (emulated); REPLACE with the same metadata and
+    """SeaweedFS refuses a plain self-copy; REPLACE with the same metadata and
     content type works everywhere, at any size."""
-    bucket = s3_server.new_bucket()
-    tier = s3_tier(s3_server, "run1?storage_class=STANDARD_IA", bucket)
+    bucket = s3.new_bucket()
+    tier = s3_tier(s3, "run1?storage_class=STANDARD_IA", bucket)
     for key, size in (("small", 1000), ("large", SIZE)):
         src, data, meta = put_source(tmp_path, size)
         tier.client.put_object(Bucket=bucket, Key=tier._key(key), Body=data,
@@ -177,11 +181,11 @@ async def test_promote_is_a_replace_with_the_same_metadata(s3_server: S3Server,
 
 
 @pytest.mark.parametrize("same_prefix", [False, True], ids=["other-prefix", "in-place"])
-async def test_transfer_between_s3_tiers_keeps_metadata(s3_server: S3Server, tmp_path: Path,
+async def test_transfer_between_s3_tiers_keeps_metadata(s3: Server, tmp_path: Path,
                                                         same_prefix: bool) -> None:
-    bucket = s3_server.new_bucket()
-    warm = s3_tier(s3_server, "run1", bucket)
-    cold = s3_tier(s3_server, ("run1" if same_prefix else "cold")
+    bucket = s3.new_bucket()
+    warm = s3_tier(s3, "run1", bucket)
+    cold = s3_tier(s3, ("run1" if same_prefix else "cold")
                    + "?storage_class=STANDARD_IA", bucket)
     calls = count_calls(cold.client)
     src, data, meta = put_source(tmp_path, SIZE)

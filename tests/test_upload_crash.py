@@ -8,7 +8,7 @@ The points, each on a real mount (the daemon is another process):
 
 1. *before*: the store is down (``faults.down_file``), files are closed and queued, the
    daemon is killed; the remount (store back) uploads them.
-2. *during*: a multipart upload to S3 (moto over HTTP, ``part_size`` = 5 MiB) is killed
+2. *during*: a multipart upload to S3 (SeaweedFS, ``part_size`` = 5 MiB) is killed
    after some of its parts went up; on the file tier, a put is killed while its
    ``.ckptfs-tmp`` file exists. The remount must finish the upload and leave no multipart
    upload and no temporary name behind.
@@ -49,7 +49,7 @@ from tests.mounting import (
     wait_for,
 )
 from tests.payload import Payload
-from tests.s3server import S3Server
+from tests.s3bucket import Server, store_lines
 
 pytestmark = [pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -78,7 +78,7 @@ class Store(Protocol):
 
 @dataclass
 class S3Store:
-    server: S3Server
+    server: Server
     bucket: str
     kind: str = "s3"
     client: Any = None
@@ -90,7 +90,7 @@ class S3Store:
                upload_concurrency: int = 2, part_concurrency: int = 2,
                **settings: Any) -> Path:
         return tiers_config(
-            path, f"s3://{self.bucket}/{PREFIX}", f'endpoint_url = "{self.server.endpoint}"',
+            path, f"s3://{self.bucket}/{PREFIX}", *store_lines(self.server),
             f"part_size = {PART_SIZE}", f"part_concurrency = {part_concurrency}",
             faults=faults, upload_concurrency=upload_concurrency, **settings)
 
@@ -192,11 +192,12 @@ class FileStore:
 
 
 @pytest.fixture
-def s3_store(s3_server: S3Server) -> Iterator[S3Store]:
-    store = S3Store(s3_server, s3_server.new_bucket())
+def s3_store(s3: Server) -> Iterator[S3Store]:
+    """A fresh bucket on the test's S3 server (``s3``: the session's SeaweedFS)."""
+    store = S3Store(s3, s3.new_bucket())
     yield store
     with contextlib.suppress(Exception):  # best effort
-        store.empty()  # moto keeps every object in this process's memory
+        store.empty()
 
 
 @pytest.fixture

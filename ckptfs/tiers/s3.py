@@ -32,6 +32,11 @@ Invariants:
   SeaweedFS does, for a directory marker or an empty file) on the pooled connection, and
   reads the next ``Expect`` request's reply against it: a stall of ``read_timeout`` (60 s),
   then a hidden retry (boto/botocore#3755). The cost: a refused PUT has sent its body.
+- A directory marker (``key/``) carries the directory's metadata; a server that drops it
+  (SeaweedFS: the marker is a directory of its filer) gives a directory of mode 0755, as a
+  listing's common prefix does (``_info``).
+- ``list_dir`` lists a subdirectory only if a key is under it: SeaweedFS lists an emptied
+  directory as a common prefix for minutes after its last key is deleted (``_holding_keys``).
 - A copy of an object onto itself (``promote``, an in-place storage-class transition) uses
   MetadataDirective=REPLACE with the metadata the HEAD read, pinned to its ETag: some servers
   (SeaweedFS) refuse a self-copy with COPY whatever else changes.
@@ -414,9 +419,13 @@ class S3Tier(Tier):
         return self._info(key, reply)
 
     def _info(self, key: str, reply: dict[str, Any]) -> ObjectInfo:
-        meta = ObjectMeta.from_headers(reply.get("Metadata", {}))
+        headers = reply.get("Metadata", {})
+        meta = ObjectMeta.from_headers(headers)
         if key.endswith("/"):
-            meta = ObjectMeta(Kind.DIRECTORY, meta.mode, meta.mtime_ns, meta.uid, meta.gid)
+            # SeaweedFS keeps no metadata on a directory marker: then it is a directory as a
+            # listing shows one (0755), not a file's default mode
+            mode = meta.mode if "ckptfs-mode" in headers else 0o755
+            meta = ObjectMeta(Kind.DIRECTORY, mode, meta.mtime_ns, meta.uid, meta.gid)
         restore = reply.get("Restore")
         state = None
         if restore:
@@ -430,11 +439,12 @@ class S3Tier(Tier):
         pages = await self._call(lambda: list(paginator.paginate(
             Bucket=self.bucket, Prefix=self._key(prefix), Delimiter="/")))
         found: dict[str, ObjectInfo] = {}
+        commons = [c["Prefix"] for page in pages for c in page.get("CommonPrefixes", [])]
+        for common in await self._holding_keys(commons):
+            rel = self._rel(common)
+            found[rel] = ObjectInfo(rel, 0, ObjectMeta(Kind.DIRECTORY, 0o755),
+                                    meta_known=False)
         for page in pages:
-            for common in page.get("CommonPrefixes", []):
-                rel = self._rel(common["Prefix"])
-                found[rel] = ObjectInfo(rel, 0, ObjectMeta(Kind.DIRECTORY, 0o755),
-                                        meta_known=False)
             for obj in page.get("Contents", []):
                 rel = self._rel(obj["Key"])
                 if rel == prefix or rel.endswith("/"):
@@ -443,6 +453,24 @@ class S3Tier(Tier):
                                         obj.get("StorageClass", "STANDARD"), meta_known=False,
                                         etag=_tag(obj.get("ETag")))
         return [found[k] for k in sorted(found)]
+
+    async def _holding_keys(self, prefixes: builtins.list[str]) -> builtins.list[str]:
+        """The ``prefixes`` (full, from a delimited listing) with a key under them. SeaweedFS
+        lists an emptied directory of its filer as a common prefix until its empty-folder
+        cleanup removes it (minutes later): one ``MaxKeys=1`` listing each, concurrently,
+        tells (an emptied prefix has no key; a directory marker is one)."""
+        holding: set[str] = set()
+
+        async def look(prefix: str) -> None:
+            reply = await self._call(self.client.list_objects_v2, Bucket=self.bucket,
+                                     Prefix=prefix, MaxKeys=1)
+            if reply.get("Contents"):
+                holding.add(prefix)
+
+        async with trio.open_nursery() as nursery:
+            for prefix in prefixes:
+                nursery.start_soon(look, prefix)
+        return [p for p in prefixes if p in holding]
 
     async def restore(self, key: str, days: int) -> None:
         from botocore.exceptions import ClientError
