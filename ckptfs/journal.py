@@ -15,6 +15,8 @@ A file whose writer never closed it (the daemon died) keeps ``state = OPEN`` and
 
 Invariants:
 - Only the trio thread touches the connection (sqlite3's default same-thread check enforces it).
+  A mounted daemon's WAL checkpoints (fsyncs) run from a connection of their own in a worker
+  thread (``checkpoint_in_background``, walcheckpoint.py), never inside a commit here.
 - Every public mutating method commits before it returns (autocommit, or one explicit
   ``transaction()`` for multi-row changes), so a SIGKILL of the daemon never loses an
   acknowledged metadata operation. ``synchronous = NORMAL`` makes commits survive a process
@@ -38,6 +40,7 @@ from pathlib import Path
 import trio
 
 from ckptfs.errors import JournalCorrupt
+from ckptfs.walcheckpoint import WalCheckpointer
 
 ROOT_INODE = 1
 SCHEMA_VERSION = 2
@@ -91,6 +94,10 @@ class Row:
 
 _COLUMNS = tuple(f.name for f in fields(Row))
 _SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM inodes"
+_INSERT = (f"INSERT INTO inodes ({', '.join(_COLUMNS[1:])}) "
+           f"VALUES ({', '.join('?' * len(_COLUMNS[1:]))})")
+_UPDATE_ALL = f"UPDATE inodes SET {', '.join(c + ' = ?' for c in _COLUMNS[1:])} WHERE ino = ?"
+_WRITTEN_MAX = 100_000  # inodes whose last written values ``Journal.update`` remembers
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -171,6 +178,9 @@ class Journal:
         self._recent_tombs: dict[str, int] = {}
         self._listing_marks: list[int] = []
         self._wal_named = False
+        # Column values this connection last wrote per inode (``update`` writes only what
+        # differs).
+        self._written: dict[int, tuple[object, ...]] = {}
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -204,6 +214,18 @@ class Journal:
     def close(self) -> None:
         self._db.close()
 
+    @property
+    def total_changes(self) -> int:
+        """Rows changed through this connection since it opened (moves with every commit)."""
+        return self._db.total_changes
+
+    def checkpoint_in_background(self) -> WalCheckpointer:
+        """Turn SQLite's automatic checkpoint (two fsyncs inside a commit, on the loop) off;
+        the caller runs the returned checkpointer's ``run`` in its nursery instead
+        (walcheckpoint.py)."""
+        self._db.execute("PRAGMA wal_autocheckpoint = 0")
+        return WalCheckpointer(self.path)
+
     @contextmanager
     def transaction(self) -> Iterator[None]:
         """Group several changes into one atomic commit (nesting joins the outer one)."""
@@ -215,10 +237,15 @@ class Journal:
         try:
             yield
         except BaseException:
+            self._written.clear()  # it may hold values of the statements rolled back
             self._db.execute("ROLLBACK")
             raise
         else:
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._written.clear()  # a failed COMMIT (a full disk) may roll back
+                raise
         finally:
             self._in_tx = False
 
@@ -230,7 +257,10 @@ class Journal:
         back (an offline ``ckptfs retention --plan``) syncs nothing and says so only in a
         result nobody reads. The PASSIVE checkpoint stays, to keep the WAL short.
         """
-        self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.OperationalError:
+            pass  # the background checkpointer's is running: the WAL's fsync below suffices
         self._sync_files()
 
     async def make_durable_async(self) -> None:
@@ -240,9 +270,9 @@ class Journal:
         The thread never touches the SQLite connection (one writer, on the loop): it fsyncs
         the WAL and the database through descriptors of its own. Every commit made before the
         call is in the WAL file by then, so the WAL's fsync covers it; a checkpoint running
-        meanwhile (SQLite's automatic one, at a later commit on the loop) syncs the frames it
-        copies into the database itself before the WAL is reused. No PASSIVE checkpoint here:
-        it would wait on the disk on the loop, and the automatic one keeps the WAL short.
+        meanwhile (walcheckpoint.py's, in its thread, or SQLite's automatic one) syncs the
+        frames it copies into the database itself before the WAL is reused. No PASSIVE
+        checkpoint here: it would wait on the disk on the loop.
         """
         await trio.to_thread.run_sync(self._sync_files)
 
@@ -310,24 +340,42 @@ class Journal:
 
     def insert(self, row: Row) -> Row:
         """Insert ``row`` (its ``ino`` is ignored) and return it with the new inode number."""
-        cols = _COLUMNS[1:]
-        cur = self._db.execute(
-            f"INSERT INTO inodes ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-            tuple(_value(getattr(row, c)) for c in cols),
-        )
+        values = _values(row)
+        cur = self._db.execute(_INSERT, values)
         assert cur.lastrowid is not None
         row.ino = cur.lastrowid
+        self._remember(row.ino, values)
         return row
 
     def update(self, row: Row) -> None:
-        cols = _COLUMNS[1:]
-        self._db.execute(
-            f"UPDATE inodes SET {', '.join(c + ' = ?' for c in cols)} WHERE ino = ?",
-            (*(_value(getattr(row, c)) for c in cols), row.ino),
-        )
+        """Write ``row``: only the columns that differ from what this connection last wrote
+        for it (an UPDATE of every column rewrites every index entry: ~5x the cost of a size
+        and mtime), nothing if none does, every column if it wrote nothing for it yet."""
+        values = _values(row)
+        last = self._written.get(row.ino)
+        if last is None:
+            self._db.execute(_UPDATE_ALL, (*values, row.ino))
+        else:
+            changed = [i for i, (new, old) in enumerate(zip(values, last, strict=True))
+                       if new != old or type(new) is not type(old)]
+            if not changed:
+                return
+            sets = ", ".join(_COLUMNS[1 + i] + " = ?" for i in changed)
+            self._db.execute(f"UPDATE inodes SET {sets} WHERE ino = ?",
+                             (*(values[i] for i in changed), row.ino))
+        self._remember(row.ino, values)
+
+    def _remember(self, ino: int, values: tuple[object, ...]) -> None:
+        """What the database holds for ``ino`` once the statement just run commits. Every
+        write of ``inodes`` goes through this class; a rollback forgets everything
+        (``transaction``), so the memory never claims a value the database lost."""
+        if len(self._written) >= _WRITTEN_MAX:
+            self._written.clear()  # a bound on memory; the next updates write every column
+        self._written[ino] = values
 
     def delete(self, ino: int) -> None:
         self._db.execute("DELETE FROM inodes WHERE ino = ?", (ino,))
+        self._written.pop(ino, None)
 
     def path_of(self, ino: int) -> bytes | None:
         """The path of ``ino`` relative to the mount root (b'' for the root); None if unlinked."""
@@ -653,6 +701,10 @@ def _key(row: Row, path: bytes | None) -> str | None:
     if path is None:
         return None
     return os.fsdecode(path) + ("/" if stat.S_ISDIR(row.mode) else "")
+
+
+def _values(row: Row) -> tuple[object, ...]:
+    return tuple(_value(getattr(row, c)) for c in _COLUMNS[1:])
 
 
 def _value(value: object) -> object:

@@ -314,6 +314,10 @@ async def _serve_registered(
             "version": __version__,
         }
         async with trio.open_nursery() as nursery:
+            # WAL checkpoints (two fsyncs each) in a worker thread, not inside a commit that
+            # a FUSE request makes on this thread.
+            walcheck = journal.checkpoint_in_background()
+            await nursery.start(walcheck.run, lambda: journal.total_changes)
             if not config.read_only:  # read-only: nothing goes to the store, nothing is acked
                 await nursery.start(uploader.run)
                 await nursery.start(coordinator.run)
