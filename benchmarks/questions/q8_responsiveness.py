@@ -157,16 +157,19 @@ def grow(root: Path, start: int, stop: int, slice_n: int) -> tuple[float, list[l
     return time.perf_counter() - t0, curve
 
 
-def batch_rates(folder: Path, n: int) -> dict[str, float]:
-    """Create, stat, unlink ``n`` 1 KiB files in a fresh directory: operations per second."""
+def batch_rates(folder: Path, n: int, daemon: int | None = None) -> dict[str, Any]:
+    """Create, stat, unlink ``n`` 1 KiB files in a fresh directory: operations per second
+    (and with ``daemon``, that process's CPU time per create)."""
     folder.mkdir()
     paths = [folder / f"b{i:06d}" for i in range(n)]
+    cpu0 = _cpu_s(daemon) if daemon else 0.0
     t0 = time.perf_counter()
     for p in paths:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(fd, PAYLOAD)
         os.close(fd)
     t1 = time.perf_counter()
+    cpu_us = (_cpu_s(daemon) - cpu0) / n * 1e6 if daemon else None
     for p in paths:
         os.stat(p)
     t2 = time.perf_counter()
@@ -175,7 +178,32 @@ def batch_rates(folder: Path, n: int) -> dict[str, float]:
     t3 = time.perf_counter()
     folder.rmdir()
     return {"create_per_s": n / (t1 - t0), "stat_per_s": n / (t2 - t1),
-            "unlink_per_s": n / (t3 - t2), "t": [t0, t1, t2, t3]}
+            "unlink_per_s": n / (t3 - t2), "t": [t0, t1, t2, t3], "cpu_us_per_create": cpu_us}
+
+
+def run_nullfs(b: Bench, batch: int) -> dict[str, Any]:
+    """The floor of any pyfuse3 + trio daemon here: nullfs.py (no journal, no staging file)
+    answers the same create sequence (lookup, create, getattr of the directory, write, flush,
+    release); creates/s and its CPU time per create, beside ckptfs's."""
+    with common.nullfs_mount(b.dir("q8-nullfs"), "q8-nullfs") as m:
+        cpu0 = _cpu_s(m.pid)
+        t0 = time.perf_counter()
+        for i in range(batch):
+            fd = os.open(m.path / f"b{i:06d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, PAYLOAD)
+            os.close(fd)
+        secs = time.perf_counter() - t0
+        cpu = _cpu_s(m.pid) - cpu0
+        for i in range(batch):
+            os.unlink(m.path / f"b{i:06d}")
+    log(f"Q8 nullfs: {batch / secs:.0f} creates/s, {cpu / batch * 1e6:.0f} us daemon CPU each")
+    return {"create_per_s": batch / secs, "cpu_us_per_create": cpu / batch * 1e6}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stat_rate(root: Path, sample: list[int]) -> float:
@@ -260,7 +288,8 @@ def run_ckptfs(b: Bench, counts: list[int], batch: int, slice_n: int,
             curve += c
             pt["grow_s"], pt["grow_per_s"] = secs, (n - have) / secs
             pt["_w_grow"] = (t0, t1)
-            rates = batch_rates(mnt / f"batch-{n}", batch)
+            daemon = int(json.loads(os.getxattr(mnt, "user.ckptfs.daemon"))["pid"])
+            rates = batch_rates(mnt / f"batch-{n}", batch, daemon)
             tb = rates.pop("t")
             tb = [x - time.perf_counter() + time.monotonic() for x in tb]
             pt.update(rates)
@@ -384,6 +413,7 @@ def run(b: Bench) -> dict[str, Any]:
                            "slice": slice_n, "cli_start_s": cli_start_s(),
                            "loadavg_start": os.getloadavg()}
     res["plain"] = run_plain(b, counts, o.q8_batch, slice_n)
+    res["nullfs"] = run_nullfs(b, o.q8_batch)
     res["ckptfs"] = run_ckptfs(b, counts, o.q8_batch, slice_n, o.q8_fsync_mib)
     res["sim"] = run_sim(b, o.q8_sim_nodes)
     res["loadavg_end"] = os.getloadavg()
@@ -409,6 +439,9 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         row(f"{n} files: creates/s growing, batch: ckptfs / plain (batch ratio)",
             f"{p['grow_per_s']:.0f}, **{p['create_per_s']:.0f}** / {q['grow_per_s']:.0f}, "
             f"{q['create_per_s']:.0f} ({ratio:.3f})", "≥ 3,000/s, ≥ 1/10 plain, flat")
+        if p.get("cpu_us_per_create"):
+            row(f"{n} files: daemon CPU per create in the batch, us",
+                f"{p['cpu_us_per_create']:.0f}")
         row(f"{n} files: stat/s batch, cold after remount; unlink/s: ckptfs / plain",
             f"{p['stat_per_s']:.0f}, {p['cold_stat_per_s']:.0f}; {p['unlink_per_s']:.0f} / "
             f"{q['stat_per_s']:.0f}; {q['unlink_per_s']:.0f}")
@@ -425,6 +458,10 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
             " / ".join(_ms(p[k]["max_ms"]) for k in (
                 "grow_probe", "batch_probe", "sync_drain_probe", "sync_idle_probe",
                 "after_remount_probe")))
+    if "nullfs" in r:
+        row("creates/s of a do-nothing pyfuse3 daemon (nullfs.py), the floor here; its CPU "
+            "per create",
+            f"{r['nullfs']['create_per_s']:.0f}; {r['nullfs']['cpu_us_per_create']:.0f} us")
     f = ck["fsync"]
     row(f"fsync of {f['mib']} MiB: s; longest probe answer during it, ms (answers)",
         f"{f['fsync_s']:.2f}; **{_ms(f['fsync_probe']['max_ms'])}** ({f['fsync_probe']['n']})",
