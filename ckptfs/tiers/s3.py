@@ -440,7 +440,9 @@ class S3Tier(Tier):
             Bucket=self.bucket, Prefix=self._key(prefix), Delimiter="/")))
         found: dict[str, ObjectInfo] = {}
         commons = [c["Prefix"] for page in pages for c in page.get("CommonPrefixes", [])]
-        for common in await self._holding_keys(commons):
+        if commons and _lists_emptied_prefixes(pages[0]):
+            commons = await self._holding_keys(commons)
+        for common in commons:
             rel = self._rel(common)
             found[rel] = ObjectInfo(rel, 0, ObjectMeta(Kind.DIRECTORY, 0o755),
                                     meta_known=False)
@@ -460,10 +462,12 @@ class S3Tier(Tier):
         cleanup removes it (minutes later): one ``MaxKeys=1`` listing each, concurrently,
         tells (an emptied prefix has no key; a directory marker is one)."""
         holding: set[str] = set()
+        limiter = trio.CapacityLimiter(PREFIX_CHECKS)
 
         async def look(prefix: str) -> None:
-            reply = await self._call(self.client.list_objects_v2, Bucket=self.bucket,
-                                     Prefix=prefix, MaxKeys=1)
+            async with limiter:
+                reply = await self._call(self.client.list_objects_v2, Bucket=self.bucket,
+                                         Prefix=prefix, MaxKeys=1)
             if reply.get("Contents"):
                 holding.add(prefix)
 
@@ -629,3 +633,16 @@ def _tag(etag: object) -> str | None:
     if text.startswith(('"', 'W/"')):
         return text
     return f'"{text}"'
+
+
+# Listings in flight at once while checking a directory's common prefixes (_holding_keys).
+PREFIX_CHECKS = 16
+
+
+def _lists_emptied_prefixes(reply: dict[str, Any]) -> bool:
+    """Whether the server that sent this listing may list an emptied directory as a common
+    prefix: SeaweedFS (its filer keeps the folder until a cleanup minutes later). Only then
+    does ``list_dir`` pay one more request per subdirectory; AWS S3, MinIO and Ceph list a
+    prefix only while a key is under it."""
+    server = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("server", "")
+    return isinstance(server, str) and server.startswith("SeaweedFS")
