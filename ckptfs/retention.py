@@ -538,7 +538,8 @@ class Retention:
     # -- state ------------------------------------------------------------------------
 
     async def collect(self, now: float | None = None, *,
-                      only: Collection[str] | None = None) -> Snapshot:
+                      only: Collection[str] | None = None,
+                      journal: tuple[list[LocalFile], list[str]] | None = None) -> Snapshot:
         """The inventory: the journal merged with every tier's listing. With ``only`` (the
         checkpoints that have NVMe copies here, ``_local_names``), just those checkpoints:
         the journal's files of them and one listing per checkpoint name and location,
@@ -546,7 +547,9 @@ class Retention:
         now = self.clock() if now is None else now
         files: list[LocalFile] = []
         names: list[str] = []
-        if self.fs is not None:
+        if journal is not None:  # just read by the caller (``_local_round``)
+            files, names = journal
+        elif self.fs is not None:
             files, names = journal_files(self.fs.ns)
         name_of = self.detector.name_of
         if only is not None:
@@ -615,11 +618,8 @@ class Retention:
             infos += [i for i in await tier.list(name) if name_of(i.key) == name]
         return infos
 
-    def _local_names(self) -> set[str]:
+    def _local_names(self, files: Iterable[LocalFile]) -> set[str]:
         """The checkpoints with some data on NVMe here: all that evictions can concern."""
-        if self.fs is None:
-            return set()
-        files, _ = journal_files(self.fs.ns)
         name_of = self.detector.name_of
         return {name_of(f.key) for f in files if f.local}
 
@@ -778,10 +778,13 @@ class Retention:
         an eviction still needs a copy that stays in a tier, which this view lists. What
         it cannot see (other checkpoints) only makes it keep more. Anything else it plans
         is only a reason to take the lease; the holder re-plans from the whole store."""
-        only = self._local_names()
+        if self.fs is None:
+            return False
+        journal = journal_files(self.fs.ns)
+        only = self._local_names(journal[0])
         if not only:
             return False
-        state = await self.collect(now, only=only)
+        state = await self.collect(now, only=only, journal=journal)
         self._learn_classes(state)
         await self._prune_pins(state, shared=False)
         actions = plan(state.checkpoints, self.policy, state.now)
