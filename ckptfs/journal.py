@@ -181,6 +181,7 @@ class Journal:
         # Column values this connection last wrote per inode (``update`` writes only what
         # differs).
         self._written: dict[int, tuple[object, ...]] = {}
+        self._background_checkpoints = False  # checkpoint_in_background was called
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -224,6 +225,7 @@ class Journal:
         the caller runs the returned checkpointer's ``run`` in its nursery instead
         (walcheckpoint.py)."""
         self._db.execute("PRAGMA wal_autocheckpoint = 0")
+        self._background_checkpoints = True
         return WalCheckpointer(self.path)
 
     @contextmanager
@@ -255,12 +257,12 @@ class Journal:
         The WAL is fsynced here, not left to a checkpoint: with ``synchronous = NORMAL`` only
         a checkpoint syncs it, and a checkpoint that another connection's read snapshot holds
         back (an offline ``ckptfs retention --plan``) syncs nothing and says so only in a
-        result nobody reads. The PASSIVE checkpoint stays, to keep the WAL short.
+        result nobody reads. Without ``checkpoint_in_background`` a PASSIVE checkpoint
+        keeps the WAL short; with it, its thread does, and the loop waits for no more than
+        the two fsyncs here.
         """
-        try:
+        if not self._background_checkpoints:  # else its thread keeps the WAL short
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        except sqlite3.OperationalError:
-            pass  # the background checkpointer's is running: the WAL's fsync below suffices
         self._sync_files()
 
     async def make_durable_async(self) -> None:
