@@ -1,0 +1,251 @@
+"""FIFOs, UNIX sockets and device nodes (docs/SEMANTICS.md, "Special files").
+
+Layers: the journal's schema migration (an old journal gains the ``rdev`` column), then real
+mounts over a file store: each special file made through the mount behaves as on ext4 (a FIFO
+carries bytes between a writer and a reader on this node, a socket accepts a connection, a
+device node shows its number and never opens, the mount being ``nodev``), every metadata
+operation works on it, the store holds a marker of it (an empty regular file, never the
+special file itself), and a second node over the same store maps the same entries.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sqlite3
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckptfs.journal import SCHEMA_VERSION, Journal, Row, State
+from tests.mounting import Mounter, sync, wait_for
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="mknod of a device node needs CAP_MKNOD")
+
+CHR = os.makedev(1, 3)  # /dev/null's number: harmless were it ever opened (it is not)
+BLK = os.makedev(7, 0)  # a loop device's number
+
+
+# -- the journal ---------------------------------------------------------------------------
+
+# The inodes table as schema 2 made it: no rdev column.
+_V2_INODES = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE inodes (
+    ino INTEGER PRIMARY KEY AUTOINCREMENT, parent INTEGER, name BLOB, mode INTEGER NOT NULL,
+    uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL DEFAULT 0,
+    atime_ns INTEGER NOT NULL DEFAULT 0, mtime_ns INTEGER NOT NULL DEFAULT 0,
+    ctime_ns INTEGER NOT NULL DEFAULT 0, target BLOB, state TEXT NOT NULL,
+    incomplete INTEGER NOT NULL DEFAULT 0, version INTEGER NOT NULL DEFAULT 0, checksum TEXT,
+    tiers TEXT NOT NULL DEFAULT '', closed_at REAL, committed_at REAL, remote_key TEXT,
+    uploading_key TEXT, blocks TEXT, storage_class TEXT, remote_etag TEXT,
+    UNIQUE (parent, name)
+);
+INSERT INTO meta VALUES ('schema', '2'), ('created', '0');
+INSERT INTO inodes (ino, parent, name, mode, uid, gid, state)
+    VALUES (1, NULL, NULL, 16877, 0, 0, 'staged'),
+           (2, 1, CAST('old.bin' AS BLOB), 33188, 5, 6, 'committed');
+"""
+
+
+def _columns(path: Path) -> list[str]:
+    db = sqlite3.connect(path)
+    try:
+        return [r[1] for r in db.execute("PRAGMA table_info(inodes)")]
+    finally:
+        db.close()
+
+
+def test_an_old_journal_gains_the_rdev_column_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    db = sqlite3.connect(path)
+    db.executescript(_V2_INODES)
+    db.close()
+    assert "rdev" not in _columns(path)
+
+    journal = Journal(path)
+    try:
+        old = journal.get(2)
+        assert old is not None and (old.name, old.uid, old.rdev) == (b"old.bin", 5, 0)
+        fifo = journal.insert(Row(0, 1, b"dev", stat.S_IFCHR | 0o600, 0, 0, rdev=CHR,
+                                  state=State.STAGED))
+        assert journal.get(fifo.ino).rdev == CHR  # type: ignore[union-attr]
+    finally:
+        journal.close()
+    assert "rdev" in _columns(path)
+    db = sqlite3.connect(path)
+    try:
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == \
+            (str(SCHEMA_VERSION),)
+    finally:
+        db.close()
+    Journal(path).close()  # opened again at the new version: nothing more to migrate
+
+
+# -- on a mount ----------------------------------------------------------------------------
+
+
+def _make_all(root: Path) -> dict[str, tuple[int, int]]:
+    """Make one of each special file under ``root``; their expected (type, rdev) by name."""
+    (root / "run").mkdir()
+    os.mkfifo(root / "run/pipe", 0o640)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(root / "run/sock"))
+    finally:
+        sock.close()
+    made = {"run/pipe": (stat.S_IFIFO, 0), "run/sock": (stat.S_IFSOCK, 0)}
+    if ROOT:
+        os.mknod(root / "run/null", stat.S_IFCHR | 0o600, CHR)
+        os.mknod(root / "run/loop", stat.S_IFBLK | 0o600, BLK)
+        made |= {"run/null": (stat.S_IFCHR, CHR), "run/loop": (stat.S_IFBLK, BLK)}
+    return made
+
+
+def _kinds(root: Path, names: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for name in names:
+        st = os.lstat(root / name)
+        out[name] = (stat.S_IFMT(st.st_mode), st.st_rdev)
+    return out
+
+
+def test_fifo_carries_bytes_between_a_writer_and_a_reader(mounter: Mounter) -> None:
+    m = mounter()
+    fifo = m.path / "progress"
+    os.mkfifo(fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    # (No user.ckptfs.state here: the kernel refuses user.* xattrs on special files, as on ext4.)
+    got: list[bytes] = []
+
+    def reader() -> None:
+        with open(fifo, "rb") as f:  # blocks until the writer opens: a real FIFO
+            got.append(f.read())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    with open(fifo, "wb") as f:
+        f.write(b"step 1 done\n" * 1000)
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert got == [b"step 1 done\n" * 1000]
+    # Non-blocking opens as on any FIFO: no writer without a reader.
+    with pytest.raises(OSError) as exc:
+        os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    assert exc.value.errno == errno.ENXIO
+    assert os.stat(fifo).st_size == 0  # nothing was staged for it
+
+
+def test_socket_bound_on_the_mount_accepts_a_connection(mounter: Mounter) -> None:
+    m = mounter()
+    path = str(m.path / "ctl.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(path)
+        server.listen(1)
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            client.connect(path)
+            conn, _ = server.accept()
+            with conn:
+                client.sendall(b"ping")
+                assert conn.recv(4) == b"ping"
+        finally:
+            client.close()
+    finally:
+        server.close()
+
+
+@needs_root
+def test_device_nodes_show_their_number_and_never_open(mounter: Mounter) -> None:
+    m = mounter()
+    os.mknod(m.path / "null", stat.S_IFCHR | 0o666, CHR)
+    os.mknod(m.path / "loop", stat.S_IFBLK | 0o600, BLK)
+    for name, kind, dev in (("null", stat.S_IFCHR, CHR), ("loop", stat.S_IFBLK, BLK)):
+        st = os.stat(m.path / name)
+        assert (stat.S_IFMT(st.st_mode), st.st_rdev) == (kind, dev)
+        for flags in (os.O_RDONLY, os.O_WRONLY):
+            with pytest.raises(OSError) as exc:
+                os.open(m.path / name, flags | os.O_NONBLOCK)
+            assert exc.value.errno in (errno.EACCES, errno.EPERM)  # the mount is nodev
+
+
+def test_metadata_operations_work_on_every_special_file(mounter: Mounter) -> None:
+    m = mounter()
+    made = _make_all(m.path)
+    for name in made:
+        path = m.path / name
+        os.chmod(path, 0o604)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o604
+        os.utime(path, ns=(1_600_000_000_000_000_000, 1_700_000_000_000_000_000))
+        st = os.stat(path)
+        assert (st.st_atime_ns, st.st_mtime_ns) == \
+            (1_600_000_000_000_000_000, 1_700_000_000_000_000_000)
+        if ROOT:
+            os.chown(path, 1234, 5678)
+            assert (os.stat(path).st_uid, os.stat(path).st_gid) == (1234, 5678)
+        moved = path.with_name(path.name + ".moved")
+        os.rename(path, moved)
+        assert not path.exists() and (stat.S_IFMT(os.lstat(moved).st_mode),
+                                      os.lstat(moved).st_rdev) == made[name]
+        os.rename(moved, path)
+    assert _kinds(m.path, made) == made
+    # A rename over another special file replaces it, as on ext4.
+    os.mkfifo(m.path / "run/other")
+    os.rename(m.path / "run/other", m.path / "run/sock")
+    assert stat.S_ISFIFO(os.lstat(m.path / "run/sock").st_mode)
+    for name in os.listdir(m.path / "run"):
+        os.unlink(m.path / "run" / name)
+    os.rmdir(m.path / "run")
+    sync(m)
+    assert not (m.store / "run").exists()  # type: ignore[operator]
+
+
+def test_another_node_maps_the_same_entries(mounter: Mounter) -> None:
+    a = mounter("a")
+    made = _make_all(a.path)
+    os.chmod(a.path / "run/pipe", 0o604)
+    if ROOT:
+        os.chown(a.path / "run/pipe", 1234, 5678)
+    sync(a)
+    store = a.store
+    assert store is not None
+    for name in made:
+        # The store holds a marker, never the special file itself.
+        st = os.lstat(store / name)
+        assert stat.S_ISREG(st.st_mode) and st.st_size == 0
+        assert os.getxattr(store / name, "user.ckptfs.special")
+
+    b = mounter("b", extra=["-o", "metadata_ttl=0.2s"])
+    assert _kinds(b.path, made) == made
+    pipe = os.stat(b.path / "run/pipe")
+    assert stat.S_IMODE(pipe.st_mode) == 0o604
+    if ROOT:
+        assert (pipe.st_uid, pipe.st_gid) == (1234, 5678)
+
+    # A rename on A reaches B: the entry is put at its new key, the old key retired.
+    os.rename(a.path / "run/pipe", a.path / "run/pipe2")
+    sync(a)
+    wait_for("the rename on B", lambda: (b.path / "run/pipe2").exists()
+             and not (b.path / "run/pipe").exists())
+    assert stat.S_ISFIFO(os.stat(b.path / "run/pipe2").st_mode)
+    # A FIFO on B is B's own pipe: it works there as on A.
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append((b.path / "run/pipe2").read_bytes()))
+    t.start()
+    (b.path / "run/pipe2").write_bytes(b"from b")
+    t.join(timeout=30)
+    assert got == [b"from b"]
+
+
+def test_special_files_survive_a_remount(mounter: Mounter) -> None:
+    m = mounter()
+    made = _make_all(m.path)
+    m.umount()
+    m.remount()
+    assert _kinds(m.path, made) == made
