@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs.checkpoints import DEFAULT_DETECTOR, RemoteFile, build
+from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.journal import SCHEMA_VERSION, Journal, Row, State
 from tests.mounting import Mounter, sync, wait_for
 
@@ -84,6 +86,27 @@ def test_an_old_journal_gains_the_rdev_column_and_keeps_its_rows(tmp_path: Path)
     finally:
         db.close()
     Journal(path).close()  # opened again at the new version: nothing more to migrate
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def test_a_special_file_is_no_file_and_no_marker_of_its_checkpoint() -> None:
+    remote = {"warm": [RemoteFile("step_1/shard", 10), RemoteFile("step_1/COMMITTED", 0,
+                                                                  special=True),
+                       RemoteFile("step_2/shard", 10), RemoteFile("step_2/COMMITTED", 0)],
+              "cold": [RemoteFile("step_2/shard", 10)]}
+    cps = {c.name: c for c in build([], remote, step_regex="", tier_order=["hot", "warm", "cold"],
+                                    detector=DEFAULT_DETECTOR,
+                                    markers=list(DEFAULT_COMMIT_MARKERS))}
+    # A FIFO named like a marker does not complete step_1; a real marker completes step_2.
+    assert cps["step_1"].busy == "no marker" and cps["step_2"].complete
+    assert dict(cps["step_1"].files) == {"step_1/shard": 10}
+    # A cold copy without the special file's object still holds step_1: only files decide.
+    remote["cold"] = [RemoteFile("step_1/shard", 10)]
+    cps = {c.name: c for c in build([], remote, step_regex="", tier_order=["hot", "warm", "cold"],
+                                    detector=DEFAULT_DETECTOR, markers=None)}
+    assert cps["step_1"].held == frozenset({"warm", "cold"})
 
 
 # -- on a mount ----------------------------------------------------------------------------
