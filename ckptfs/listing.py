@@ -38,7 +38,8 @@ Invariants:
   root is listed at mount time.
 - Concurrent refreshes of one directory share one listing. Metadata the listing lacks (S3
   lists only key, size and tag) is read with HEADs, concurrently, and only for new or changed
-  objects.
+  objects, and for special files, whose empty objects keep their tag when only their
+  metadata changes.
 """
 
 from __future__ import annotations
@@ -322,6 +323,11 @@ class Lister:
             return True
         if info.key.endswith("/"):
             return False  # a known directory: its marker's metadata does not change it
+        if _is_special(row.mode):
+            # A special file's object is empty, and S3's ETag of an empty object is the same
+            # whatever its metadata: a chmod, chown or touch on another node keeps the tag.
+            # So its metadata is read at every refresh (special files are few).
+            return self._clean(row, info.key)
         return self._clean(row, info.key) and (info.etag is None or info.etag != row.remote_etag)
 
     async def _head_all(self, infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
@@ -439,15 +445,24 @@ class Lister:
     def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
         """Another node changed a special file's metadata (chmod, chown, touch): take it.
         It has no data, so there is nothing to drop."""
-        if (info.etag is not None and info.etag == row.remote_etag) or not info.meta_known:
-            return
+        if not info.meta_known:
+            return  # the HEAD failed: the next listing decides (no tag test: _needs_meta)
+        meta = info.meta
+        if (meta.mode, meta.rdev, meta.uid, meta.gid) == (row.mode, row.rdev, row.uid, row.gid) \
+                and meta.mtime_ns in (0, row.mtime_ns):
+            return  # what this row put (its set-id bits included: mapped here, not from there)
         special = special_mode(info.meta.mode, info.meta.rdev)
         if special is None or stat.S_IFMT(special[0]) != stat.S_IFMT(row.mode):
             return  # refused, or another type: _same_kind's case, not an update
+        uid, gid = owner(info.meta.uid), owner(info.meta.gid)
+        mtime = info.meta.mtime_ns or row.mtime_ns
+        if (row.mode, row.rdev, row.uid, row.gid, row.mtime_ns, row.remote_etag) == \
+                (*special, uid, gid, mtime, info.etag):
+            return  # read at every refresh (_needs_meta): write the journal only on a change
         row.mode, row.rdev = special
-        row.uid, row.gid = owner(info.meta.uid), owner(info.meta.gid)
-        if info.meta.mtime_ns:
-            row.mtime_ns = row.ctime_ns = info.meta.mtime_ns
+        row.uid, row.gid = uid, gid
+        if mtime != row.mtime_ns:
+            row.mtime_ns = row.ctime_ns = mtime
         row.remote_etag = info.etag
         self.ns.persist(row)
 

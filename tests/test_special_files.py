@@ -23,7 +23,8 @@ import pytest
 from ckptfs.checkpoints import DEFAULT_DETECTOR, RemoteFile, build
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.journal import SCHEMA_VERSION, Journal, Row, State
-from tests.mounting import Mounter, sync, wait_for
+from tests.mounting import Mounter, status, sync, tiers_config, wait_for
+from tests.s3bucket import PREFIX, Bucket
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="mknod of a device node needs CAP_MKNOD")
@@ -272,3 +273,54 @@ def test_special_files_survive_a_remount(mounter: Mounter) -> None:
     m.umount()
     m.remount()
     assert _kinds(m.path, made) == made
+
+
+def test_a_crash_before_the_upload_puts_the_entry_at_the_next_start(
+    mounter: Mounter, tmp_path: Path
+) -> None:
+    """The journal row is written at mknod; the store is down, so no put happens before the
+    daemon is SIGKILLed. At the next start the row is replayed and the entry put."""
+    store, down = tmp_path / "store", tmp_path / "down"
+    store.mkdir()
+    m = mounter(config=tiers_config(tmp_path / "c.toml", store.as_uri(),
+                                    faults={"down_file": str(down)}, register_at_mount=True))
+    down.touch()  # after the mount: a store down at mount time fails the mount
+    made = _make_all(m.path)
+    wait_for("a failed put", lambda: status(m)["failed"], timeout=60)
+    assert not (store / "run/pipe").exists()
+    m.kill()
+    down.unlink()
+    m.remount()
+    assert _kinds(m.path, made) == made
+    sync(m)
+    for name, (kind, rdev) in made.items():
+        mode, dev = os.getxattr(store / name, "user.ckptfs.special").decode().split(":")
+        assert (stat.S_IFMT(int(mode, 8)), int(dev)) == (kind, rdev)
+
+
+def test_nodes_over_s3_map_the_same_entries_and_follow_changes(
+    mounter: Mounter, bucket: Bucket, tmp_path: Path
+) -> None:
+    config = bucket.config(tmp_path / "c.toml", metadata_ttl="1s")
+    a = mounter("a", config=config)
+    made = _make_all(a.path)
+    sync(a)
+    head = bucket.client.head_object(Bucket=bucket.name, Key=PREFIX + "run/pipe")
+    assert head["ContentLength"] == 0 and head["Metadata"]["ckptfs-kind"] == "special"
+    assert int(head["Metadata"]["ckptfs-mode"], 8) == stat.S_IFIFO | 0o640
+    if ROOT:
+        head = bucket.client.head_object(Bucket=bucket.name, Key=PREFIX + "run/null")
+        assert int(head["Metadata"]["ckptfs-rdev"]) == CHR
+
+    b = mounter("b", config=config)
+    assert _kinds(b.path, made) == made
+    # Listed again (S3 lists no metadata: the kind is kept, not guessed), and a chmod and a
+    # rename on A reach B.
+    os.chmod(a.path / "run/sock", 0o600)
+    os.rename(a.path / "run/pipe", a.path / "run/pipe2")
+    sync(a)
+    wait_for("A's changes on B", lambda: (b.path / "run/pipe2").exists()
+             and not (b.path / "run/pipe").exists()
+             and stat.S_IMODE(os.stat(b.path / "run/sock").st_mode) == 0o600)
+    assert stat.S_ISFIFO(os.stat(b.path / "run/pipe2").st_mode)
+    assert stat.S_ISSOCK(os.stat(b.path / "run/sock").st_mode)
