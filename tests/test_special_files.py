@@ -23,6 +23,11 @@ import pytest
 from ckptfs.checkpoints import DEFAULT_DETECTOR, RemoteFile, build
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.journal import SCHEMA_VERSION, Journal, Row, State
+from ckptfs.storetrust import NOBODY, owner, special_mode
+from ckptfs.tiers.base import Kind, ObjectMeta
+from ckptfs.tiers.local import FileTier
+from ckptfs.tiers.memory import MemoryTier
+from ckptfs.tiers.transfer import copy_object
 from tests.mounting import Mounter, status, sync, tiers_config, wait_for
 from tests.s3bucket import PREFIX, Bucket
 
@@ -87,6 +92,40 @@ def test_an_old_journal_gains_the_rdev_column_and_keeps_its_rows(tmp_path: Path)
     finally:
         db.close()
     Journal(path).close()  # opened again at the new version: nothing more to migrate
+
+
+# -- the store -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "rdev", "mapped"), [
+    (stat.S_IFIFO | 0o640, 0, (stat.S_IFIFO | 0o640, 0)),
+    (stat.S_IFIFO | 0o4755, 99, (stat.S_IFIFO | 0o755, 0)),  # set-id dropped, rdev meaningless
+    (stat.S_IFCHR | 0o2666, CHR, (stat.S_IFCHR | 0o666, CHR)),
+    (stat.S_IFBLK | 0o600, 2**64, None),  # no dev_t
+    (stat.S_IFBLK | 0o600, -1, None),
+    (stat.S_IFREG | 0o644, 0, None),  # a "special" object that is no special file
+    (stat.S_IFDIR | 0o755, 0, None),
+    (stat.S_IFLNK | 0o777, 0, None),
+    (0o644, 0, None),
+])
+def test_the_store_decides_only_the_four_special_types(
+    mode: int, rdev: int, mapped: tuple[int, int] | None
+) -> None:
+    assert special_mode(mode, rdev) == mapped
+    assert owner(-1) == NOBODY
+
+
+async def test_a_copy_to_another_tier_keeps_a_special_file(tmp_path: Path) -> None:
+    """Retention's copies between tiers (tiers/transfer.py) put the entry, never bytes."""
+    src = MemoryTier("warm", "memory://w", "special-copy")
+    dst = FileTier("cold", f"file://{tmp_path}/cold", tmp_path / "cold")
+    (tmp_path / "scratch").mkdir()
+    meta = ObjectMeta(Kind.SPECIAL, stat.S_IFCHR | 0o600, 5, 0, 0, rdev=CHR)
+    await src.put_entry("step_1/null", meta)
+    await copy_object(src, dst, "step_1/null", 0, tmp_path / "scratch")
+    got = (await dst.head("step_1/null")).meta
+    assert (got.kind, got.mode, got.rdev, got.mtime_ns) == (Kind.SPECIAL, meta.mode, CHR, 5)
+    assert stat.S_ISREG(os.lstat(tmp_path / "cold/step_1/null").st_mode)
 
 
 # -- checkpoints -----------------------------------------------------------------------------
