@@ -177,6 +177,8 @@ def _kinds(root: Path, names: dict[str, tuple[int, int]]) -> dict[str, tuple[int
     return out
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 def test_fifo_carries_bytes_between_a_writer_and_a_reader(mounter: Mounter) -> None:
     m = mounter()
     fifo = m.path / "progress"
@@ -203,6 +205,8 @@ def test_fifo_carries_bytes_between_a_writer_and_a_reader(mounter: Mounter) -> N
     assert os.stat(fifo).st_size == 0  # nothing was staged for it
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 def test_socket_bound_on_the_mount_accepts_a_connection(mounter: Mounter) -> None:
     m = mounter()
     path = str(m.path / "ctl.sock")
@@ -224,6 +228,8 @@ def test_socket_bound_on_the_mount_accepts_a_connection(mounter: Mounter) -> Non
         server.close()
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 @needs_root
 def test_device_nodes_show_their_number_and_never_open(mounter: Mounter) -> None:
     m = mounter()
@@ -238,6 +244,8 @@ def test_device_nodes_show_their_number_and_never_open(mounter: Mounter) -> None
             assert exc.value.errno in (errno.EACCES, errno.EPERM)  # the mount is nodev
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 def test_metadata_operations_work_on_every_special_file(mounter: Mounter) -> None:
     m = mounter()
     made = _make_all(m.path)
@@ -269,6 +277,8 @@ def test_metadata_operations_work_on_every_special_file(mounter: Mounter) -> Non
     assert not (m.store / "run").exists()  # type: ignore[operator]
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 def test_another_node_maps_the_same_entries(mounter: Mounter) -> None:
     a = mounter("a")
     made = _make_all(a.path)
@@ -306,6 +316,8 @@ def test_another_node_maps_the_same_entries(mounter: Mounter) -> None:
     assert got == [b"from b"]
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 def test_special_files_survive_a_remount(mounter: Mounter) -> None:
     m = mounter()
     made = _make_all(m.path)
@@ -314,6 +326,8 @@ def test_special_files_survive_a_remount(mounter: Mounter) -> None:
     assert _kinds(m.path, made) == made
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 def test_a_crash_before_the_upload_puts_the_entry_at_the_next_start(
     mounter: Mounter, tmp_path: Path
 ) -> None:
@@ -337,6 +351,8 @@ def test_a_crash_before_the_upload_puts_the_entry_at_the_next_start(
         assert (stat.S_IFMT(int(mode, 8)), int(dev)) == (kind, rdev)
 
 
+@pytest.mark.mount
+@pytest.mark.timeout(300)
 def test_nodes_over_s3_map_the_same_entries_and_follow_changes(
     mounter: Mounter, bucket: Bucket, tmp_path: Path
 ) -> None:
