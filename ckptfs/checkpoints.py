@@ -31,8 +31,8 @@ A checkpoint's *time* is when its last file was committed to the warm tier (the 
 does not make it younger. A checkpoint this node never wrote (known only from the store) gets
 the newest ``mtime`` its objects carry in their ckptfs metadata.
 
-Which tiers hold a checkpoint is decided on *files* (regular files; directory markers and
-symlinks are not part of the test): a tier holds it when every file of the checkpoint is there
+Which tiers hold a checkpoint is decided on *files* (regular files; directory markers,
+symlinks and special files are not part of the test, and a special file is never a marker): a tier holds it when every file of the checkpoint is there
 with its size (and checksum, where the listing tells it). The files of a checkpoint are the
 objects the warmest tier that has any of it lists under it (other nodes write shards this
 journal never heard of) plus the journal's files, whose sizes win. Colder tiers are not
@@ -160,6 +160,9 @@ class RemoteFile:
     storage_class: str = "STANDARD"
     restoring: bool = False
     etag: str | None = None
+    # The empty object of a FIFO, socket or device node (tiers/base.py): never a file of its
+    # checkpoint nor a marker, but still one of its keys (removed with it).
+    special: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +268,9 @@ def build(
 def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str],
                 progress: Mapping[str, float], markers: Sequence[str] | None,
                 locations: Mapping[str, str]) -> Checkpoint:
-    by_tier = {t: {r.key: r for r in files} for t, files in acc.remote.items()}
+    # Special files have no data: they decide neither where a checkpoint is nor whether it
+    # is complete (a FIFO named like a marker is no marker).
+    by_tier = {t: {r.key: r for r in files if not r.special} for t, files in acc.remote.items()}
     busy: str | None = None
     checksums: dict[str, str | None] = {}
     # The files are the warmest tier's listing of the checkpoint (it has the shards other

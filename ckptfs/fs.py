@@ -172,8 +172,12 @@ def state_label(row: Row) -> str:
         return "incomplete"
     if row.state is State.REMOTE and row.storage_class in ARCHIVE_CLASSES:
         return "archived"
+    if stat.S_ISDIR(row.mode):
+        return "directory"
+    if stat.S_ISLNK(row.mode):
+        return "symlink"
     if not stat.S_ISREG(row.mode):
-        return "directory" if stat.S_ISDIR(row.mode) else "symlink"
+        return "special"
     return row.state.value
 
 
@@ -487,11 +491,27 @@ class Filesystem:
         self.listener.inode_changed(row.ino)
         return row
 
-    def mknod(self, parent: int, name: bytes, mode: int, caller: Caller) -> Row:
-        if not stat.S_ISREG(mode):
-            # Device nodes, FIFOs and sockets have no place in a checkpoint store.
-            raise NotPermitted("only regular files, directories and symlinks are supported")
+    def mknod(self, parent: int, name: bytes, mode: int, caller: Caller, rdev: int = 0) -> Row:
+        """A regular file, or a special file: FIFO, UNIX socket, character or block device.
+
+        A special file is its journal row alone (mode, rdev, owner, times), put in the store
+        like a symlink (upload.py ``_put_entry``). It has no staged data and never reaches
+        the read or write path: for these types the kernel serves open() itself (a FIFO's
+        pipe lives in this node's kernel; a device node is refused, the mount is nodev), so
+        the daemon sees only metadata operations on it.
+        """
+        kind = stat.S_IFMT(mode)
+        if kind not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            raise InvalidArgument("mknod makes files, FIFOs, sockets and device nodes only")
         self._unhide(parent, name)
+        if kind != stat.S_IFREG:
+            # rdev means something only for devices (mknod(2) ignores it otherwise).
+            row = self.ns.create(parent, name, mode, caller.uid, caller.gid,
+                                 state=State.STAGED,
+                                 rdev=rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0)
+            self.ns.remember(row.ino)
+            self.listener.inode_changed(row.ino)
+            return row
         row = self.ns.create(parent, name, mode, caller.uid, caller.gid, state=State.STAGED)
         self.staging.create_empty(row.ino)
         self.ns.remember(row.ino)

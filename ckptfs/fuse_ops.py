@@ -68,7 +68,7 @@ def entry_attributes(row: Row, timeout: float = ATTR_TIMEOUT) -> pyfuse3.EntryAt
     entry.st_nlink = 0 if row.parent is None and row.ino != ROOT_INODE else 1
     entry.st_uid = row.uid
     entry.st_gid = row.gid
-    entry.st_rdev = 0
+    entry.st_rdev = row.rdev
     entry.st_size = row.size
     entry.st_blksize = BLOCK_SIZE_HINT
     entry.st_blocks = (row.size + 511) // 512 if stat.S_ISREG(row.mode) else 0
@@ -148,7 +148,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> Any:
-        return self._entry(self.fs.mknod(parent_inode, name, mode, _caller(ctx)))
+        return self._entry(self.fs.mknod(parent_inode, name, mode, _caller(ctx), rdev))
 
     @_translate_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> Any:

@@ -1,6 +1,6 @@
 """The journal: a SQLite (WAL) record of every inode and its state. The truth about local state.
 
-One row per inode (file, directory, symlink). The directory tree is the ``(parent, name)``
+One row per inode (file, directory, symlink, FIFO, socket, device node). The directory tree is the ``(parent, name)``
 edges; a path is derived from them (``path_of``) rather than stored, so renaming a directory
 with 10,000 descendants is one row update. The checkpoint a file belongs to is the first
 component of that path.
@@ -43,7 +43,7 @@ from ckptfs.errors import JournalCorrupt
 from ckptfs.walcheckpoint import WalCheckpointer
 
 ROOT_INODE = 1
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class State(enum.StrEnum):
@@ -90,6 +90,8 @@ class Row:
     # The object's tag when its metadata was last read: a listing that shows the same tag
     # needs no HEAD to tell whether another node rewrote it.
     remote_etag: str | None = None
+    # The device number of a character or block device node (st_rdev); 0 for anything else.
+    rdev: int = 0
 
 
 _COLUMNS = tuple(f.name for f in fields(Row))
@@ -125,6 +127,7 @@ CREATE TABLE IF NOT EXISTS inodes (
     blocks       TEXT,
     storage_class TEXT,
     remote_etag  TEXT,
+    rdev         INTEGER NOT NULL DEFAULT 0,
     UNIQUE (parent, name)
 );
 CREATE INDEX IF NOT EXISTS inodes_remote_key ON inodes (remote_key);
@@ -199,12 +202,17 @@ class Journal:
                 "INSERT INTO meta VALUES ('schema', ?), ('created', ?)",
                 (str(SCHEMA_VERSION), str(time.time())),
             )
-        elif int(found[0]) == 1:
-            # Version 2 added the read path: block checksums, storage class, etag, fetched
-            # ranges and hidden keys (the tables are created by the schema script).
+        elif int(found[0]) in (1, 2):
+            # Each step adds what its version brought (the new tables come from the schema
+            # script); one transaction, so a crash leaves the journal at its old version.
             with self.transaction():
-                for column in ("blocks", "storage_class", "remote_etag"):
-                    self._db.execute(f"ALTER TABLE inodes ADD COLUMN {column} TEXT")
+                if int(found[0]) == 1:
+                    # Version 2 added the read path: block checksums, storage class, etag,
+                    # fetched ranges and hidden keys.
+                    for column in ("blocks", "storage_class", "remote_etag"):
+                        self._db.execute(f"ALTER TABLE inodes ADD COLUMN {column} TEXT")
+                # Version 3 added special files (FIFOs, sockets, device nodes): their rdev.
+                self._db.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
                 self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'",
                                  (str(SCHEMA_VERSION),))
         elif int(found[0]) != SCHEMA_VERSION:

@@ -5,7 +5,9 @@ tier when the cached listing is older than ``metadata_ttl``. The refresh makes t
 agree with the store for every entry that is *clean* here (its committed copy is the remote
 object: state REMOTE or COMMITTED at the same key, not open for writing):
 
-- an entry only in the store is added (files as REMOTE: no local data, fetched on read);
+- an entry only in the store is added (files as REMOTE: no local data, fetched on read;
+  special files, FIFOs, sockets and device nodes, as COMMITTED rows with their type, mode and
+  rdev: a FIFO on another node is a separate pipe in that node's kernel, never shared data);
 - a clean entry whose object was rewritten (another node wrote a new version) takes the new
   size, mode, mtime and checksums, and its local data is dropped;
 - a clean entry known from the store whose object is gone (another node deleted it) is
@@ -36,7 +38,8 @@ Invariants:
   root is listed at mount time.
 - Concurrent refreshes of one directory share one listing. Metadata the listing lacks (S3
   lists only key, size and tag) is read with HEADs, concurrently, and only for new or changed
-  objects.
+  objects, and for special files, whose empty objects keep their tag when only their
+  metadata changes.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.namespace import MAX_NAME, Namespace
 from ckptfs.peers import PeerJudge, Verdict
-from ckptfs.storetrust import dir_mode, file_mode, owner, symlink_target
+from ckptfs.storetrust import dir_mode, file_mode, owner, special_mode, symlink_target
 from ckptfs.tiers.base import (
     ARCHIVE_CLASSES,
     CONTROL_PREFIX,
@@ -239,6 +242,8 @@ class Lister:
                         self._insert(directory, name, info, started)
                 elif self._clean(existing, info.key) and stat.S_ISREG(existing.mode):
                     self._maybe_update(existing, info)
+                elif self._clean(existing, info.key) and _is_special(existing.mode):
+                    self._maybe_update_special(existing, info)
             for name, row in local.items():
                 if name in remote and remote[name].key not in skip:
                     continue
@@ -318,6 +323,11 @@ class Lister:
             return True
         if info.key.endswith("/"):
             return False  # a known directory: its marker's metadata does not change it
+        if _is_special(row.mode):
+            # A special file's object is empty, and S3's ETag of an empty object is the same
+            # whatever its metadata: a chmod, chown or touch on another node keeps the tag.
+            # So its metadata is read at every refresh (special files are few).
+            return self._clean(row, info.key)
         return self._clean(row, info.key) and (info.etag is None or info.etag != row.remote_etag)
 
     async def _head_all(self, infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
@@ -352,8 +362,15 @@ class Lister:
     def _same_kind(row: Row, info: ObjectInfo) -> bool:
         if info.key.endswith("/"):
             return stat.S_ISDIR(row.mode)
+        if not info.meta_known:
+            # Key and size only (S3): an unchanged object is what the row already maps, and a
+            # changed one of a clean row is HEADed first; an unknown kind decides nothing.
+            return not stat.S_ISDIR(row.mode)
         if info.meta.kind is Kind.SYMLINK:
             return stat.S_ISLNK(row.mode)
+        if info.meta.kind is Kind.SPECIAL:
+            return stat.S_IFMT(row.mode) == stat.S_IFMT(info.meta.mode) and \
+                _is_special(row.mode)
         return stat.S_ISREG(row.mode)
 
     @staticmethod
@@ -365,6 +382,7 @@ class Lister:
         meta = info.meta
         mtime = meta.mtime_ns or int(now * 1e9)
         target = None
+        rdev = 0
         if info.key.endswith("/"):
             mode, state, size = dir_mode(meta.mode), State.COMMITTED, 0
         elif meta.kind is Kind.SYMLINK:
@@ -373,6 +391,12 @@ class Lister:
                 self._refuse(info.key, why or "bad symlink")
                 return
             mode, state, size = stat.S_IFLNK | 0o777, State.COMMITTED, len(target)
+        elif meta.kind is Kind.SPECIAL:
+            special = special_mode(meta.mode, meta.rdev)
+            if special is None:
+                self._refuse(info.key, f"not a special file type ({meta.mode:o})")
+                return
+            (mode, rdev), state, size = special, State.COMMITTED, 0
         else:
             mode, state, size = file_mode(meta.mode), State.REMOTE, info.size
         row = Row(
@@ -382,7 +406,7 @@ class Lister:
             state=state, checksum=meta.checksum, blocks=meta.blocks,
             storage_class=info.storage_class if info.storage_class in ARCHIVE_CLASSES else None,
             remote_etag=info.etag, remote_key=info.key, tiers=self.tier.name,
-            committed_at=now,
+            committed_at=now, rdev=rdev,
         )
         self.journal.insert(row)
 
@@ -418,6 +442,30 @@ class Lister:
         row.version += 1
         self.ns.persist(row)
 
+    def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
+        """Another node changed a special file's metadata (chmod, chown, touch): take it.
+        It has no data, so there is nothing to drop."""
+        if not info.meta_known:
+            return  # the HEAD failed: the next listing decides (no tag test: _needs_meta)
+        meta = info.meta
+        if (meta.mode, meta.rdev, meta.uid, meta.gid) == (row.mode, row.rdev, row.uid, row.gid) \
+                and meta.mtime_ns in (0, row.mtime_ns):
+            return  # what this row put (its set-id bits included: mapped here, not from there)
+        special = special_mode(info.meta.mode, info.meta.rdev)
+        if special is None or stat.S_IFMT(special[0]) != stat.S_IFMT(row.mode):
+            return  # refused, or another type: _same_kind's case, not an update
+        uid, gid = owner(info.meta.uid), owner(info.meta.gid)
+        mtime = info.meta.mtime_ns or row.mtime_ns
+        if (row.mode, row.rdev, row.uid, row.gid, row.mtime_ns, row.remote_etag) == \
+                (*special, uid, gid, mtime, info.etag):
+            return  # read at every refresh (_needs_meta): write the journal only on a change
+        row.mode, row.rdev = special
+        row.uid, row.gid = uid, gid
+        if mtime != row.mtime_ns:
+            row.mtime_ns = row.ctime_ns = mtime
+        row.remote_etag = info.etag
+        self.ns.persist(row)
+
     def _remove(self, directory: Row, name: bytes, row: Row) -> bool:
         """Another node removed it: drop it here too (no tombstone: it is gone already)."""
         try:
@@ -435,3 +483,7 @@ class Lister:
         log.info("%s: gone from the store; removed here too",
                  os.fsdecode(name))
         return True
+
+
+def _is_special(mode: int) -> bool:
+    return stat.S_IFMT(mode) in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)

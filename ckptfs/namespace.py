@@ -164,7 +164,7 @@ class Namespace:
 
     def create(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, state: State,
-        target: bytes | None = None,
+        target: bytes | None = None, rdev: int = 0,
     ) -> Row:
         check_name(name, parent)
         parent_row = self.get(parent)
@@ -182,7 +182,7 @@ class Namespace:
             ino=0, parent=parent, name=name, mode=mode, uid=uid, gid=gid,
             size=len(target) if target is not None else 0,
             atime_ns=now, mtime_ns=now, ctime_ns=now, target=target, state=state,
-            closed_at=None if state is State.OPEN else time.time(),
+            closed_at=None if state is State.OPEN else time.time(), rdev=rdev,
         )
         with self.journal.transaction():
             self.journal.insert(row)

@@ -586,7 +586,8 @@ class Retention:
             remote[owner_name].append(RemoteFile(
                 info.key, info.size, meta.checksum if meta else None,
                 meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
-                info.storage_class, info.restore_state == "ongoing", info.etag))
+                info.storage_class, info.restore_state == "ongoing", info.etag,
+                special=meta is not None and meta.kind is Kind.SPECIAL))
         # The pins after the objects (pins.py): a restored object listed above was promoted
         # after its pin was written, so the pin is in this later listing.
         warm_pins = await store_pins(self.tiers[self._warm().name])

@@ -12,6 +12,10 @@ writes that metadata, so it is mapped as an untrusted tar archive is extracted b
   kernel resolves it in the reader's namespace, with the reader's rights, as for a symlink
   on any disk), but refused when empty, containing NUL or longer than ``MAX_TARGET`` bytes
   (what ``symlink(2)`` itself refuses): the entry is then not mapped at all.
+- Special file: its type must be a FIFO, socket, character or block device (anything else in
+  a ``kind = special`` object is refused: not mapped); the permission bits as for a file; a
+  device's number is kept (the mount is ``nodev``: a device node never opens a device), a
+  number outside ``0 .. 2**64 - 1`` refuses the entry, and any other type's number is 0.
 
 Pure functions; no I/O. The writing node's own entries keep what was set locally: only
 entries mapped from the store pass through here.
@@ -36,6 +40,19 @@ def file_mode(mode: int) -> int:
 def dir_mode(mode: int) -> int:
     """``st_mode`` of a directory from a store-supplied mode (0755 when it has none)."""
     return stat.S_IFDIR | ((mode & 0o1777) or DEFAULT_DIR_MODE)
+
+
+SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
+MAX_RDEV = 2**64 - 1  # dev_t
+
+
+def special_mode(mode: int, rdev: int) -> tuple[int, int] | None:
+    """``st_mode`` and ``st_rdev`` of a special file from store-supplied values, or None if
+    they describe no special file (then the entry is refused)."""
+    kind = stat.S_IFMT(mode)
+    if kind not in SPECIAL_TYPES or not 0 <= rdev <= MAX_RDEV:
+        return None
+    return kind | (mode & 0o777), rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0
 
 
 def owner(value: int) -> int:

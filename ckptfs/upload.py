@@ -7,7 +7,8 @@ sequence order and reconcile them:
 
 - a STAGED file is uploaded (state UPLOADING, then COMMITTED with its checksum and key);
 - a COMMITTED file whose key is not its path any more is moved (server-side copy + delete);
-- a directory or symlink is represented on the tier (``put_entry``);
+- a directory, symlink or special file (FIFO, socket, device node) is represented on the
+  tier (``put_entry``: an empty object whose meta carries the type and rdev, tiers/base.py).
 - a tombstone deletes its key.
 
 Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
@@ -831,18 +832,47 @@ class Uploader:
 
     @staticmethod
     def _entry_meta(row: Row) -> ObjectMeta:
-        is_dir = stat.S_ISDIR(row.mode)
-        return ObjectMeta(
-            Kind.DIRECTORY if is_dir else Kind.SYMLINK,
-            stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
-            target=None if is_dir else os.fsdecode(row.target or b""),
-        )
+        if stat.S_ISDIR(row.mode):
+            return ObjectMeta(Kind.DIRECTORY, stat.S_IMODE(row.mode), row.mtime_ns, row.uid,
+                              row.gid)
+        if stat.S_ISLNK(row.mode):
+            return ObjectMeta(Kind.SYMLINK, stat.S_IMODE(row.mode), row.mtime_ns, row.uid,
+                              row.gid, target=os.fsdecode(row.target or b""))
+        # A FIFO, socket or device node: the whole st_mode (its type) and the device number.
+        # Nothing else: it has no data, and a FIFO's bytes live in the kernel of this node.
+        return ObjectMeta(Kind.SPECIAL, row.mode, row.mtime_ns, row.uid, row.gid,
+                          rdev=row.rdev)
 
     @staticmethod
     def _same_entry(a: ObjectMeta, b: ObjectMeta) -> bool:
-        return (a.kind, a.mode, a.uid, a.gid, a.target) == (b.kind, b.mode, b.uid, b.gid, b.target)
+        # A special file's mtime counts too (a touch of a FIFO must reach the store); not a
+        # directory's, which every entry made in it moves (see _put_entry).
+        mtime_moved = a.kind is Kind.SPECIAL and a.mtime_ns != b.mtime_ns
+        return not mtime_moved and (a.kind, a.mode, a.uid, a.gid, a.target, a.rdev) == \
+            (b.kind, b.mode, b.uid, b.gid, b.target, b.rdev)
 
     async def _put_entry(self, row: Row, key: str) -> None:
+        """Represent a directory, symlink or special file at ``key`` (its path).
+
+        A special file (FIFO, socket, device node) takes exactly the symlink's path through
+        here and through keys.py (``is_move`` is for regular files only): it has no data, so
+        its entry is simply put again at the new key and the old key retired. Interleavings:
+
+        - crash after ``mknod`` committed its row (STAGED), before any put: replay queues
+          every STAGED row, so the put happens at the next start; the store lacked the
+          entry meanwhile, which is all another node could observe;
+        - crash after the put, before COMMITTED was journaled: the row is still STAGED with
+          ``uploading_key`` set; the put is repeated (idempotent: the same marker again);
+        - rename before the put: the put goes to the new path (the path is read when the
+          item runs) and nothing is at the old key;
+        - rename while the put is on its way: ``uploading_key`` keeps listings from taking
+          the object at the old key for a new entry; afterwards the path differs from ``key``,
+          so the entry is queued again, put at the new key, and the old key retired;
+        - rename after the put (COMMITTED): ``remote_key`` differs from the new path, the
+          entry is put at the new key and the old key retired in one journal transaction;
+        - unlink at any point: a tombstone for ``remote_key``, and ``_still_there`` retires
+          a key put for an entry removed meanwhile.
+        """
         is_dir = stat.S_ISDIR(row.mode)
         target_key = key + "/" if is_dir else key
         if row.state is State.COMMITTED and row.remote_key == target_key:

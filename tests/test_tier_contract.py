@@ -206,6 +206,37 @@ async def test_symlinks_and_directories(tier: Tier, tmp_path: Path) -> None:
     assert [i.key for i in await tier.list()] == []
 
 
+async def test_special_files_keep_type_mode_and_rdev(tier: Tier, tmp_path: Path) -> None:
+    """A FIFO and a device node round-trip as empty entries: kind, st_mode with its type, rdev,
+    owner and mtime, through head, list and copy (what another node maps them from)."""
+    import stat
+    dev = os.makedev(8, 1)
+    await tier.put_entry("run/pipe", ObjectMeta(Kind.SPECIAL, stat.S_IFIFO | 0o640, 11, 7, 8))
+    await tier.put_entry("run/disk", ObjectMeta(Kind.SPECIAL, stat.S_IFBLK | 0o600, 12, 0, 6,
+                                                rdev=dev))
+    await tier.copy("run/disk", "run/disk2")
+    listed = {i.key: i for i in await tier.list("run/")}
+    for key, mode, rdev in (("run/pipe", stat.S_IFIFO | 0o640, 0),
+                            ("run/disk", stat.S_IFBLK | 0o600, dev),
+                            ("run/disk2", stat.S_IFBLK | 0o600, dev)):
+        info = await tier.head(key)
+        assert (info.size, info.meta.kind, info.meta.mode, info.meta.rdev) == \
+            (0, Kind.SPECIAL, mode, rdev), key
+        assert listed[key].size == 0
+        if listed[key].meta_known:  # S3 lists key and size only
+            assert (listed[key].meta.kind, listed[key].meta.mode) == (Kind.SPECIAL, mode)
+    assert (await tier.head("run/pipe")).meta.mtime_ns == 11
+    if os.geteuid() == 0 or not isinstance(tier, FileTier):
+        assert ((await tier.head("run/pipe")).meta.uid,
+                (await tier.head("run/pipe")).meta.gid) == (7, 8)
+    if isinstance(tier, FileTier):
+        # The store holds a marker file, never a real FIFO or device node.
+        assert stat.S_ISREG(os.lstat(tmp_path / "store/run/disk").st_mode)
+    for key in ("run/pipe", "run/disk", "run/disk2"):
+        await tier.delete(key)
+    assert [i.key for i in await tier.list("run/") if not i.key.endswith("/")] == []
+
+
 async def test_cancelled_put_leaves_nothing(tier: Tier, tmp_path: Path) -> None:
     size = 3 * MIN_PART_SIZE
     src, _ = make_file(tmp_path, size)

@@ -8,7 +8,12 @@ Entry kinds on a tier:
 - a file: the object itself, with ``ObjectMeta`` (mode, mtime, uid/gid, checksum);
 - a symlink: an object whose body is the target and whose meta says ``kind = symlink``
   (a file tier uses a real symlink);
-- an empty directory: the key with a trailing ``/`` (a file tier uses a real directory).
+- an empty directory: the key with a trailing ``/`` (a file tier uses a real directory);
+- a special file (FIFO, UNIX socket, character or block device node): an empty object whose
+  meta says ``kind = special``, with the file type in ``mode`` (``S_IFIFO | 0o644``) and the
+  device number in ``rdev``. A file tier holds the same marker (an empty regular file with
+  the meta in xattrs), never the real special file: a device node in a store directory that
+  is not mounted ``nodev`` would open the device for anyone allowed to open the marker.
 
 Invariants every implementation keeps (tests/test_tier_contract.py checks them):
 - ``put`` is atomic: a reader sees the old object or the whole new one, never a partial one,
@@ -60,6 +65,7 @@ class Kind(enum.StrEnum):
     FILE = "file"
     SYMLINK = "symlink"
     DIRECTORY = "dir"
+    SPECIAL = "special"
 
 
 class TierError(StoreRefused):
@@ -114,6 +120,8 @@ class ObjectMeta:
     # Per-block CRC32Cs so that a range read can be verified without the whole object
     # (integrity.py: "<block size>:<base64 of 4-byte big-endian CRCs>").
     blocks: str | None = None
+    # A special file's device number (character and block devices; 0 for FIFOs and sockets).
+    rdev: int = 0
 
     def to_headers(self) -> dict[str, str]:
         """As S3 user metadata (x-amz-meta-ckptfs-*) or file-tier xattrs."""
@@ -128,6 +136,8 @@ class ObjectMeta:
             headers["ckptfs-checksum"] = self.checksum
         if self.blocks:
             headers["ckptfs-blocks"] = self.blocks
+        if self.rdev:
+            headers["ckptfs-rdev"] = str(self.rdev)
         if self.target is not None:
             # S3 metadata is ASCII: the target is percent-encoded (its bytes, surrogateescape).
             headers["ckptfs-target"] = quote(self.target.encode("utf-8", "surrogateescape"),
@@ -159,6 +169,7 @@ class ObjectMeta:
             target=(unquote(headers["ckptfs-target"], errors="surrogateescape")
                     if "ckptfs-target" in headers else None),
             blocks=headers.get("ckptfs-blocks"),
+            rdev=num("ckptfs-rdev"),
         )
 
 
@@ -205,7 +216,8 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
-        """Represent a symlink (``meta.target``) or an empty directory at ``key``."""
+        """Represent a symlink (``meta.target``), a special file (``meta.mode``, ``meta.rdev``)
+        or an empty directory at ``key``."""
 
     @abc.abstractmethod
     async def read_into(self, key: str, offset: int, length: int, fd: int, fd_offset: int) -> int:

@@ -63,6 +63,10 @@ TMP_MARK = ".ckptfs-tmp."
 CHUNK = 16 * 1024 * 1024
 _XATTR_CHECKSUM = "user.ckptfs.checksum"
 _XATTR_BLOCKS = "user.ckptfs.blocks"
+# On the empty regular file that stands for a special file: "<st_mode in octal>:<rdev>".
+# Never the real special file in the store (tiers/base.py): a FIFO there would block a
+# reader of the store, a device node would open a device wherever the store is not nodev.
+_XATTR_SPECIAL = "user.ckptfs.special"
 _TRANSIENT = {errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE, errno.EAGAIN,
               errno.ENOSPC, errno.EDQUOT, errno.EHOSTDOWN, errno.ECONNRESET}
 # A directory beneath the root: never through a symlink (O_NOFOLLOW; with O_DIRECTORY a
@@ -247,6 +251,8 @@ class FileTier(Tier):
             try:
                 if meta.kind is Kind.DIRECTORY:
                     _make_directory(dir_fd, name, key, meta)
+                elif meta.kind is Kind.SPECIAL:
+                    _make_special(dir_fd, name, key, meta)
                 else:
                     tmp = _tmp_name(name)
                     os.symlink(meta.target or "", tmp, dir_fd=dir_fd)
@@ -621,6 +627,41 @@ def _make_directory(dir_fd: int, name: str, key: str, meta: ObjectMeta) -> None:
         os.close(fd)
 
 
+def _make_special(dir_fd: int, name: str, key: str, meta: ObjectMeta) -> None:
+    """The marker of a special file at ``name``: an empty regular file carrying its type and
+    device number in an xattr, published like a file (tmp + rename: atomic)."""
+    tmp = _tmp_name(name)
+    fd = os.open(tmp, _CREATE_OPEN, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            # Unlike a file's checksum, this xattr is the entry itself: without it the marker
+            # would read back as an empty file, so a store that refuses it fails the put.
+            os.setxattr(fd, _XATTR_SPECIAL, f"{meta.mode:o}:{meta.rdev}".encode())
+            # Only the permission bits: the marker is a plain file, never set-id.
+            _finish(fd, ObjectMeta(Kind.FILE, meta.mode & 0o777, meta.mtime_ns, meta.uid,
+                                   meta.gid))
+        finally:
+            os.close(fd)
+        _publish(dir_fd, tmp, name, key)
+    except BaseException:
+        _unlink_quiet_at(dir_fd, tmp)
+        raise
+
+
+def _special_meta(dir_fd: int, name: str, st: os.stat_result) -> ObjectMeta | None:
+    """The meta of a special file's marker (an empty file with ``_XATTR_SPECIAL``), or None
+    when ``name`` is an ordinary file (or the xattr is unreadable: then it is one)."""
+    if st.st_size != 0:
+        return None
+    try:
+        raw = _getxattr_at(dir_fd, name, _XATTR_SPECIAL).decode()
+        mode_text, rdev_text = raw.split(":", 1)
+        mode, rdev = int(mode_text, 8), int(rdev_text)
+    except (OSError, ValueError):
+        return None
+    return ObjectMeta(Kind.SPECIAL, mode, st.st_mtime_ns, st.st_uid, st.st_gid, rdev=rdev)
+
+
 def _small_tag_of(st: os.stat_result, data: bytes) -> str:
     # The inode and a checksum of the body, not times: renames and links move ctime, and an
     # inode number can be reused by the next version, whose body differs (it says so).
@@ -756,7 +797,7 @@ def _full_copy(fin: int, dst_dir: int, dst_name: str) -> None:
         os.fchmod(fout, stat.S_IMODE(st.st_mode))
         if os.geteuid() == 0:
             os.fchown(fout, st.st_uid, st.st_gid)
-        for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS):
+        for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS, _XATTR_SPECIAL):
             try:
                 os.setxattr(fout, name, os.getxattr(fin, name))
             except OSError:
@@ -777,6 +818,9 @@ def _info(dir_fd: int, name: str, key: str) -> ObjectInfo:
         meta = ObjectMeta(Kind.DIRECTORY, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid,
                           st.st_gid)
         return ObjectInfo(key + "/", 0, meta, etag=_tag(st))
+    special = _special_meta(dir_fd, name, st)
+    if special is not None:
+        return ObjectInfo(key, 0, special, etag=_tag(st))
     try:
         checksum: str | None = _getxattr_at(dir_fd, name, _XATTR_CHECKSUM).decode()
     except OSError:

@@ -181,6 +181,9 @@ async def copy_object(src: Tier, dst: Tier, key: str, size: int, scratch: Path,
         return
     info = await src.head(key)
     meta = info.meta
+    if meta.kind is Kind.SPECIAL:
+        await dst.put_entry(key, meta)  # no bytes: the metadata is the whole entry
+        return
     if meta.kind is Kind.SYMLINK:
         if meta.target is None:
             meta = dataclasses.replace(meta, target=(await _read_small(src, key, info.size, scratch)))
