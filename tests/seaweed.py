@@ -455,23 +455,23 @@ class SeaweedCluster(Seaweed):
             self._fail(f"{name} did not start again")
 
     def _kill(self) -> None:
-        """Stop every component (gateway first, master last): SIGTERM, ``STOP_TIMEOUT`` s,
-        then SIGKILL of its process group; reaps them all."""
+        """Stop every component: SIGTERM to all, ``STOP_TIMEOUT`` s, then SIGKILL of the
+        process group of any still running (``weed filer`` can hang on SIGTERM); reaps them
+        all."""
         self.process = None
-        order = [n for n in reversed(CLUSTER_COMPONENTS) if n in self.processes]
+        processes = [self.processes.pop(n) for n in reversed(CLUSTER_COMPONENTS)
+                     if n in self.processes]
         try:
-            for name in order:
-                process = self.processes[name]
+            for process in processes:  # all at once: each may take its STOP_TIMEOUT
                 if process.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(STOP_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    pass
+            deadline = time.monotonic() + STOP_TIMEOUT
+            for process in processes:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(max(0.0, deadline - time.monotonic()))
         finally:
-            for name in order:  # even if a wait above was interrupted
-                process = self.processes.pop(name)
+            for process in processes:  # even if a wait above was interrupted
                 if process.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(process.pid, signal.SIGKILL)

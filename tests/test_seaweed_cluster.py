@@ -5,9 +5,10 @@ The cluster (tests/seaweed.py ``SeaweedCluster``) keeps every volume on both vol
 (replication 001). With one of them dead, reads are served by the other copy, and writes
 cannot place their second copy: SeaweedFS's gateway answers a write with 500 InternalError
 after about 60 s (its filer retries the volume assignment meanwhile), botocore tries twice,
-so the daemon's first failed upload comes about two minutes after the kill. That wait is
-what this test's wall time is (about 2.5 minutes), not something it could skip: the status
-it checks is the one a failed upload produces.
+so the daemon's first failed upload comes 1.5-2 minutes after the kill (botocore's
+``read_timeout`` and retries are ckptfs's own, not settable from a config). That wait is most
+of this test's wall time (about 110 s: 90 s of it waiting for the first failure), and not
+something it could skip: the status it checks is the one a failed upload produces.
 
 What is checked: a checkpoint synced before the kill reads back from the store (evicted
 first) while the server is down; a checkpoint written while it is down stays queued, its
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.mount, pytest.mark.timeout(600)]
 PREFIX = "run1/"
 # How long the daemon gets to report a failed upload after the kill: two attempts of
 # about 60 s each (see the module docstring), with room for a busy machine.
-FIRST_FAILURE_WITHIN = 400.0
+FIRST_FAILURE_WITHIN = 300.0
 
 
 @pytest.fixture
@@ -90,10 +91,12 @@ def test_volume_server_killed_and_restarted_nothing_lost(
     ckptfs("evict", a.path / "step_1")
     assert {rel: a.state(rel) for rel in first} == dict.fromkeys(first, "remote")
 
+    fetched = status(a)["fetch"]["bytes"]
     cluster.kill_volume(1)
-    # Reads: the other volume server has every volume.
+    # Reads: the other volume server has every volume; they come from the store (evicted).
     for rel, data in first.items():
         assert (a.path / rel).read_bytes() == data, rel
+    assert status(a)["fetch"]["bytes"] - fetched >= sum(map(len, first.values()))
 
     # Writes: closed at once (staged locally), their uploads fail and are retried.
     write(a, second)
@@ -109,9 +112,14 @@ def test_volume_server_killed_and_restarted_nothing_lost(
         assert item["item"] in second and item["attempts"] >= 1, item
 
     cluster.start_volume(1)
-    sync(a, timeout=300)
+    sync(a, timeout=120)
     after = status(a)
     assert after["store_outage"] is None and after["failed_count"] == 0, after
+    # Retried: each failed attempt counts. (Not ``failures == 0`` yet: a multipart upload
+    # whose parts fail raises trio's ExceptionGroup of StoreUnavailable out of
+    # S3Tier.put's nursery, which is_transient does not recognise, so the daemon counts it
+    # as a permanent failure, outside the outage count, though it retries it.)
+    assert after["retries"] >= 1, after
     assert {rel: a.state(rel) for rel in second} == dict.fromkeys(second, "committed")
 
     client = cluster.client()
