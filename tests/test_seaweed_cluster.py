@@ -10,6 +10,9 @@ so the daemon's first failed upload comes 1.5-2 minutes after the kill (botocore
 of this test's wall time (about 110 s: 90 s of it waiting for the first failure), and not
 something it could skip: the status it checks is the one a failed upload produces.
 
+In CI (``brief``) the server is back within seconds, before SeaweedFS gives up on a write;
+the full run (``reported``, ``CKPTFS_TEST_CLUSTER_FULL=1``) waits for the failures.
+
 What is checked: a checkpoint synced before the kill reads back from the store (evicted
 first) while the server is down; a checkpoint written while it is down stays queued, its
 uploads fail and are retried and ``ckptfs status --json`` reports them (failing uploads or
@@ -76,8 +79,17 @@ def reported(report: dict[str, Any]) -> bool:
     return bool(report["failed"] or report["failed_count"] or report["store_outage"])
 
 
+# The full run waits for the first failed upload (about 110 s); CI runs the brief outage.
+FULL = bool(os.environ.get("CKPTFS_TEST_CLUSTER_FULL"))
+
+
+@pytest.mark.parametrize("outage", [
+    "brief",  # back before SeaweedFS gives up on a write: the uploads stall, then go up
+    pytest.param("reported", marks=pytest.mark.skipif(
+        not FULL, reason="~2 minutes: CKPTFS_TEST_CLUSTER_FULL=1 (benchmarks/README.md)")),
+])
 def test_volume_server_killed_and_restarted_nothing_lost(
-        cluster: SeaweedCluster, mounter: Mounter, tmp_path: Path) -> None:
+        cluster: SeaweedCluster, mounter: Mounter, tmp_path: Path, outage: str) -> None:
     bucket = cluster.new_bucket()
     cfg = tiers_config(tmp_path / "c.toml", f"s3://{bucket}/{PREFIX.rstrip('/')}",
                        *store_lines(cluster), f"part_size = {PART_SIZE}",
@@ -98,28 +110,29 @@ def test_volume_server_killed_and_restarted_nothing_lost(
         assert (a.path / rel).read_bytes() == data, rel
     assert status(a)["fetch"]["bytes"] - fetched >= sum(map(len, first.values()))
 
-    # Writes: closed at once (staged locally), their uploads fail and are retried.
+    # Writes: closed at once (staged locally); their uploads stall, or fail and are retried.
     write(a, second)
-    deadline = time.monotonic() + FIRST_FAILURE_WITHIN
-    report = status(a)
-    while not reported(report) and time.monotonic() < deadline:
-        time.sleep(1)
+    if outage == "brief":
+        time.sleep(3)
+        assert any(a.state(rel) != "committed" for rel in second), "uploaded with a server down"
+    else:
+        deadline = time.monotonic() + FIRST_FAILURE_WITHIN
         report = status(a)
-    assert reported(report), report
-    assert report["queue"]["files"] >= 1, report
-    assert any(a.state(rel) != "committed" for rel in second), "uploaded with a server down"
-    for item in report["failed"]:
-        assert item["item"] in second and item["attempts"] >= 1, item
+        while not reported(report) and time.monotonic() < deadline:
+            time.sleep(1)
+            report = status(a)
+        assert reported(report), report
+        assert report["queue"]["files"] >= 1, report
+        assert any(a.state(rel) != "committed" for rel in second), "uploaded with a server down"
+        for item in report["failed"]:
+            assert item["item"] in second and item["attempts"] >= 1, item
 
     cluster.start_volume(1)
     sync(a, timeout=120)
     after = status(a)
     assert after["store_outage"] is None and after["failed_count"] == 0, after
-    # Retried: each failed attempt counts. (Not ``failures == 0`` yet: a multipart upload
-    # whose parts fail raises trio's ExceptionGroup of StoreUnavailable out of
-    # S3Tier.put's nursery, which is_transient does not recognise, so the daemon counts it
-    # as a permanent failure, outside the outage count, though it retries it.)
-    assert after["retries"] >= 1, after
+    if outage == "reported":
+        assert after["retries"] >= 1, after  # each failed attempt counts
     assert {rel: a.state(rel) for rel in second} == dict.fromkeys(second, "committed")
 
     client = cluster.client()

@@ -489,3 +489,27 @@ async def test_s3_empty_put_does_not_stall_the_next(s3_endpoint: S3Server | Seaw
         assert trio.current_time() - started < 5, attempt
         assert await t.get_small(f"f{attempt}") == (b"x" * 100_000, tag)
     await t.aclose()
+
+
+async def test_s3_a_failed_part_is_the_upload_s_own_error(
+        s3_endpoint: S3Server | Seaweed, tmp_path: Path) -> None:
+    """A part that cannot be sent (the store unreachable) fails the multipart upload with
+    that part's StoreUnavailable, not an exception group of them: the uploader must see a
+    transient failure (retried, counted towards a store outage), and it is aborted."""
+    from botocore.exceptions import EndpointConnectionError
+
+    from ckptfs.errors import StoreUnavailable
+
+    bucket = s3_endpoint.new_bucket()
+    tier = s3_tier(s3_endpoint, f"s3://{bucket}/p", part_size=MIN_PART_SIZE)
+    src = tmp_path / "big"
+    src.write_bytes(os.urandom(3 * MIN_PART_SIZE))
+
+    def unreachable(**_: Any) -> Any:
+        raise EndpointConnectionError(endpoint_url=s3_endpoint.endpoint)
+
+    tier.client.upload_part = unreachable
+    with pytest.raises(StoreUnavailable):
+        await tier.put_file("big", src, 3 * MIN_PART_SIZE, ObjectMeta())
+    client = s3_endpoint.client()
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

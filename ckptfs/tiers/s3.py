@@ -320,16 +320,28 @@ class S3Tier(Tier):
                                             PartNumber=number, Body=body)
             return str(reply["ETag"])
 
-        async def part(number: int) -> None:
-            async with slots:
-                etags[number - 1] = await self._call(send, number)
+        failed: list[Exception] = []
+
+        async def part(number: int, cancel: trio.CancelScope) -> None:
+            try:
+                async with slots:
+                    etags[number - 1] = await self._call(send, number)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the abort
+                # The first failure is the upload's, as itself: in an exception group a
+                # StoreUnavailable would not read as transient (retried as a store outage).
+                failed.append(exc)
+                cancel.cancel()
+                return
             if progress:
                 progress(min(self.part_size, size - (number - 1) * self.part_size))
 
         try:
             async with trio.open_nursery() as nursery:
                 for number in range(1, count + 1):
-                    nursery.start_soon(part, number)  # at most part_concurrency send at once
+                    # at most part_concurrency send at once
+                    nursery.start_soon(part, number, nursery.cancel_scope)
+            if failed:
+                raise failed[0]
             done = await self._complete(full, upload_id, etags)
         except BaseException:
             await self._abort(full, upload_id, "upload of")
