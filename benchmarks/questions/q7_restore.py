@@ -266,8 +266,12 @@ def restore_ckptfs(store: Store, names: list[str], total: int, extra: str,
         mount_s = time.perf_counter() - t0
         paths = [m.path / n for n in names]
         fresh = read_all(paths, m.pid)
+        # Untimed: a file read whole becomes a local copy (an fdatasync) in the background,
+        # once the fetches pause (fetch.py), as a download's pages go to disk after it.
+        deadline = time.monotonic() + 60
+        while set(states := file_states(paths)) != {"committed"} and time.monotonic() < deadline:
+            time.sleep(0.1)
         status = ckptfs_status(m.path)
-        states = file_states(paths)
         rss = m.peak_rss()
         log(f"{kind}: ckptfs fresh mount {mount_s:.2f} s + read {fresh.seconds:.2f} s "
             f"= {total / fresh.seconds / 1e6:.0f} MB/s (read only); states {set(states)}; "
