@@ -146,8 +146,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q7-mib", type=int, help="Q7 checkpoint size, in all [2048]")
     g.add_argument("--q7-files", type=int, help="Q7 files in the checkpoint [4]")
     g.add_argument("--q7-reps", type=int, help="Q7 second-read rounds, median [3]")
+    g.add_argument("--q7-restore-reps", type=int,
+                   help="Q7 restore rounds, baseline and ckptfs alternating, median [3]")
     p.add_argument("--q7-store", choices=("s3", "file", "both"), default="both",
-                   help="Q7 warm tier: S3 on moto, a directory, or both")
+                   help="Q7 warm tier: S3 on SeaweedFS, a directory, or both")
+    p.add_argument("--q7-restore-only", action="store_true",
+                   help="Q7: only the restore (no second read, no nullfs)")
     p.add_argument("--q7-ckptfs-config", default="",
                    help="Q7: extra top-level config lines for every ckptfs mount, e.g. "
                         "'fetch_block_size = 16777216'")
@@ -177,7 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "q5_files_mib": 1024, "q5_store": "file",
             "q6_places": ["tmpfs", "disk"], "q6_ranks": [1, 4], "q6_mib": 1024,
             "q6_disk_mib": 256, "q6_torch_mib": 1024, "q6_fault_mib": 1024, "q6_repeat": 3,
-            "q7_mib": 2048, "q7_files": 4, "q7_reps": 3,
+            "q7_mib": 2048, "q7_files": 4, "q7_reps": 3, "q7_restore_reps": 3,
             "q8_files": [1000, 10000, 100000], "q8_batch": 1000, "q8_fsync_mib": 1024,
             "q8_sim_nodes": [64, 256, 1000], "q8_sim_idle": 600.0}
     quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.2,
@@ -187,7 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16, "q5_store": "s3",
              "q6_places": ["tmpfs", "disk"], "q6_ranks": [2], "q6_mib": 16, "q6_disk_mib": 16,
              "q6_torch_mib": 16, "q6_fault_mib": 16, "q6_repeat": 1,
-             "q7_mib": 64, "q7_files": 4, "q7_reps": 1,
+             "q7_mib": 64, "q7_files": 4, "q7_reps": 1, "q7_restore_reps": 1,
              "q8_files": [300], "q8_batch": 100, "q8_fsync_mib": 16, "q8_sim_nodes": [8],
              "q8_sim_idle": 60.0}
     for key, value in (quick if a.quick else full).items():

@@ -219,6 +219,7 @@ class Filesystem:
         # Every claim on a store key (the uploader's, a listing's question) goes through it.
         self.keys = KeyClaims(journal, self.ns)
         self.fetcher: Fetcher | None = None
+        self._completing: set[int] = set()  # inodes whose _completed runs in the background
         self.lister: Lister | None = None
         if tier is not None:
             self.fetcher = Fetcher(
@@ -802,7 +803,7 @@ class Filesystem:
             if self.fetcher.covers(row, offset, wanted):
                 self._read_ahead(handle, row, offset, wanted)
                 if self.fetcher.is_complete(row):
-                    await self._completed(row)
+                    await self._complete(row)
                 break
             # The file changed under the fetch (evicted and fetched again, refetched after
             # a bad checksum): try again; never serve a hole as data.
@@ -1033,6 +1034,31 @@ class Filesystem:
                 await self._completed(row)
         finally:
             self.ns.unpin(row.ino)
+
+    async def _complete(self, row: Row) -> None:
+        """The last block of a file arrived: ``_completed``, in the background when every
+        block was verified as it came (block CRCs), once the fetches have paused: its
+        fdatasync of the whole file need not hold up the reader, nor the other fetches
+        (measured: it cost a third of a restore's throughput)."""
+        assert self.fetcher is not None
+        nursery = self.fetcher.nursery
+        if nursery is None or self.fetcher.sums(row) is None:
+            await self._completed(row)  # a whole-file CRC is checked before this read returns
+        elif row.ino not in self._completing:
+            self._completing.add(row.ino)
+            nursery.start_soon(self._complete_later, row)
+
+    async def _complete_later(self, row: Row) -> None:
+        assert self.fetcher is not None
+        try:
+            # After the download burst, as the flusher does: writing the file to disk now
+            # would compete with the fetches still running (of this restore's other files).
+            await self.fetcher.wait_quiet()
+            await self._completed(row)
+        except Exception as exc:  # noqa: BLE001 (the file stays remote: a later read retries)
+            log.warning("inode %d: could not make it a local copy: %s", row.ino, exc)
+        finally:
+            self._completing.discard(row.ino)
 
     async def _completed(self, row: Row) -> None:
         """Every block is local: verify the whole file if it has no block CRCs, then it is

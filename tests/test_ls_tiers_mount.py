@@ -138,7 +138,11 @@ def test_policy_on_a_real_mount(mounter: Mounter, tmp_path: Path) -> None:
     # An evicted checkpoint loads through the mount (fetched back from the store).
     loaded = torch.load(m.path / "step_500" / "model.pt")
     assert torch.equal(loaded["w"], saved[500]["w"]) and loaded["step"] == 500
-    # Reading it brought it back to NVMe: a cache the next run evicts again.
+    # Reading it brought it back to NVMe (a local copy once the fetches pause: fetch.py): a
+    # cache the next run evicts again.
+    deadline = time.monotonic() + 60
+    while m.state("step_500/model.pt") != "committed" and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert ckptfs("retention", m.path, "--plan").stdout == "step_500: evict from hot\n"
     ckptfs("retention", m.path, "--apply")
     assert m.state("step_500/model.pt") == "remote"

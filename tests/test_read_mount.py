@@ -391,4 +391,8 @@ def test_evict_drops_local_copies_that_stay_readable(mounter: Mounter, bucket: B
     for rel, body in data.items():  # fetched back by range on read, verified
         assert (m.path / rel).read_bytes() == body
     assert fetched(m) == sum(map(len, data.values()))
+    # Each becomes a local copy (an fdatasync) in the background once fetching pauses.
+    deadline = time.monotonic() + 60
+    while {m.state(rel) for rel in data} != {"committed"} and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert {m.state(rel) for rel in data} == {"committed"}

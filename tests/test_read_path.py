@@ -160,9 +160,43 @@ async def test_only_what_is_read_is_fetched_and_kept_across_restart(
         assert b.tier.calls["read_into"] == 0  # the fetched ranges survived the restart
         assert await b.read("ckpt.pt") == data  # the rest, then the file is whole and local
         row = b.fs.getattr((await b.resolve("ckpt.pt")).ino)
-        assert row.state is State.COMMITTED
+        # It becomes a local copy (an fdatasync) in the background once fetching pauses.
+        with trio.fail_after(60):
+            while row.state is not State.COMMITTED:
+                await trio.sleep(0.1)
         assert b.tier.bytes_read == len(data) - 2 * BLOCK
         assert b.fs.space.used == len(data)
+
+
+async def test_a_download_is_made_durable_once_it_pauses(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """Fetched ranges are synced and journaled, and a whole file becomes a local copy, once
+    no fetch has landed for a flush interval: not while the download runs (an fdatasync
+    then made the disk write what the reader was about to read)."""
+    data = os.urandom(8 * BLOCK + 7)
+    await publish(tmp_path / "a", store, {"ckpt.pt": data})
+    no_readahead = ReadSettings(metadata_ttl=TTL, fetch_block_size=BLOCK, readahead_bytes=0)
+    async with node(tmp_path / "b", store, no_readahead) as b:
+        fetcher = b.fs.fetcher
+        assert fetcher is not None
+        row = await b.resolve("ckpt.pt")
+        assert await b.read("ckpt.pt", 0, 10) == data[:10]
+        await fetcher.flush(quiet=1.0)  # a fetch just landed: the download is under way
+        assert b.fs.journal.ranges(row.ino) == []
+        await trio.sleep(1.5)
+        await fetcher.flush(quiet=1.0)
+        assert b.fs.journal.ranges(row.ino) == [(0, BLOCK)]
+        assert await b.read("ckpt.pt") == data  # the rest: every block verified, served
+        assert b.fs.getattr(row.ino).state is State.REMOTE  # not a local copy yet
+        await trio.sleep(0.5)
+        assert b.fs.getattr(row.ino).state is State.REMOTE  # fetches landed 0.5 s ago
+        with trio.fail_after(5):
+            while b.fs.getattr(row.ino).state is not State.COMMITTED:
+                await trio.sleep(0.1)
+        assert b.fs.journal.ranges(row.ino) == []  # a whole local copy has no ranges
+        assert await b.read("ckpt.pt") == data
+        assert b.tier.bytes_read == len(data)  # nothing fetched twice
 
 
 async def test_concurrent_readers_share_one_fetch_and_readahead_runs_ahead(

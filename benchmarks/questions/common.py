@@ -191,11 +191,64 @@ class Moto:
 
     def empty_bucket(self, bucket: str) -> None:
         """Drop every object (moto keeps them in spooled temp files: free the disk)."""
-        s3 = self.client()
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+        _empty_bucket(self.client(), bucket)
+
+    def tier_lines(self) -> list[str]:
+        """The endpoint (and keys) of a ckptfs tier on this server (the environment's dummy
+        keys: moto accepts any)."""
+        return [f'endpoint_url = "{self.endpoint}"']
+
+
+def _empty_bucket(s3: Any, bucket: str) -> None:
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+
+# -- SeaweedFS ------------------------------------------------------------------------------
+
+
+@dataclass
+class SeaweedS3:
+    """A real S3 server on loopback: SeaweedFS's ``weed mini``, started by the tests' own
+    tests/seaweed.py (loopback only, telemetry off, its own ports and temp dir, random keys;
+    stopped by ``stop()`` and, should this process die, by the kernel)."""
+
+    server: Any  # tests.seaweed.Seaweed
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.server.endpoint)
+
+    def client(self) -> Any:
+        return self.server.client(max_pool_connections=32)
+
+    def new_bucket(self, prefix: str = "bench") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def empty_bucket(self, bucket: str) -> None:
+        _empty_bucket(self.client(), bucket)
+
+    def tier_lines(self) -> list[str]:
+        return [f'endpoint_url = "{self.endpoint}"',
+                f'access_key_id = "{self.server.access_key}"',
+                f'secret_access_key = "{self.server.secret_key}"']
+
+
+@contextmanager
+def seaweed_server() -> Iterator[SeaweedS3]:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.seaweed import start_seaweed
+
+    server = start_seaweed()
+    try:
+        yield SeaweedS3(server)
+    finally:
+        server.stop()
 
 
 @contextmanager
@@ -222,10 +275,12 @@ def moto_server() -> Iterator[Moto]:
 # -- ckptfs ---------------------------------------------------------------------------------
 
 
-def ckptfs_config(staging: Path, *, store_dir: Path | None = None, moto: Moto | None = None,
+def ckptfs_config(staging: Path, *, store_dir: Path | None = None,
+                  moto: Moto | SeaweedS3 | None = None,
                   bucket: str = "", prefix: str = "run", bandwidth: float | None = None,
                   upload_concurrency: int = 4, extra: str = "", faults: str = "") -> str:
-    """TOML for a mount whose warm tier is a directory or an S3 prefix on moto; ``faults``:
+    """TOML for a mount whose warm tier is a directory or an S3 prefix on ``moto`` (moto or
+    SeaweedFS); ``faults``:
     more FaultConfig items (TOML inline-table syntax, e.g. ``down_file = "/x"``)."""
     lines = [f'staging_dir = "{staging}"', f"upload_concurrency = {upload_concurrency}"]
     if store_dir is not None:
@@ -241,7 +296,7 @@ def ckptfs_config(staging: Path, *, store_dir: Path | None = None, moto: Moto | 
         lines.append(f'url = "{store_dir.as_uri()}"')
     else:
         assert moto is not None and bucket
-        lines += [f'url = "s3://{bucket}/{prefix}"', f'endpoint_url = "{moto.endpoint}"']
+        lines += [f'url = "s3://{bucket}/{prefix}"', *moto.tier_lines()]
     fault_items = [f"bandwidth = {int(bandwidth)}"] if bandwidth else []
     if faults:
         fault_items.append(faults)
@@ -438,6 +493,7 @@ class Bench:
     opts: Any  # the argparse namespace
     stack: ExitStack = field(default_factory=ExitStack)
     _moto: Moto | None = None
+    _seaweed: SeaweedS3 | None = None
 
     @property
     def moto(self) -> Moto:
@@ -445,6 +501,13 @@ class Bench:
             log("starting moto (ThreadedMotoServer) on 127.0.0.1")
             self._moto = self.stack.enter_context(moto_server())
         return self._moto
+
+    @property
+    def seaweed(self) -> SeaweedS3:
+        if self._seaweed is None:
+            log("starting SeaweedFS (weed mini) on 127.0.0.1")
+            self._seaweed = self.stack.enter_context(seaweed_server())
+        return self._seaweed
 
     def dir(self, name: str) -> Path:
         d = self.work / name

@@ -5,20 +5,20 @@ Two measurements, for each warm tier (``--q7-store s3|file|both``):
 
 1. **Restore on a fresh node.** A checkpoint of ``--q7-mib`` (2048) MiB in ``--q7-files`` (4)
    files is written through a ckptfs mount and synced to the store; that mount and its staging
-   dir are then removed. Measured, page cache dropped before each side:
+   dir are then removed. Measured side by side, ``--q7-restore-reps`` (3) rounds alternating
+   which side goes first, page cache dropped before each side, median round reported:
      baseline  S3: boto3 ``download_file`` of every object into a local dir (4 files at once,
                16 MiB parts x 4, as Q3), then reading the local files; file store: plain
                ``shutil.copyfile`` of every object out of the store dir, then reading.
      ckptfs    a FRESH mount (empty staging dir) over the populated store; the files are read
                through it. Reported with and without the mount time (CLI start + root listing).
-   Ratio: throughput ckptfs / baseline; target >= 0.8.
-   Caveat, S3: the store is moto on loopback (in a process of its own), and moto reads the whole
-   object for every range GET (``FakeKey.value``): a GET of 8 MiB out of a 512 MiB object costs
-   a 512 MiB copy in moto. Both sides pay it per range GET, so the side with smaller ranges
-   (ckptfs's ``fetch_block_size`` 8 MiB vs boto3's 16 MiB parts) pays more: the file store row
-   shows ckptfs's own overhead without that.
+   Ratio: throughput ckptfs / baseline; target >= 1.0 on S3 (issue 17), >= 0.8 on a file store.
+   The S3 store is SeaweedFS (``weed mini`` on loopback, started by tests/seaweed.py: a real
+   server, which moto is not: moto copied the whole object for every range GET and capped both
+   sides near 20 MiB/s).
 
-2. **Second read, now local.** The same files read again through the same mount (every block
+2. **Second read, now local** (skipped with ``--q7-restore-only``). The same files read again
+   through one more fresh mount once it has read them all (every block
    fetched: state ``committed``) vs the same bytes in a plain local directory (the baseline's),
    side by side with two do-nothing FUSE filesystems (``questions/nullfs.py``, same mount options and
    worker settings as ckptfs), the ceiling of a Python FUSE read path:
@@ -50,6 +50,7 @@ nullfs is stopped by its own pid. Nothing is asserted. The fresh mount gets
 
     python benchmarks/run_all.py --only q7                                # 2 GiB in 4 files
     python benchmarks/run_all.py --only q7 --q7-files 1 --q7-store file   # one 2 GiB file
+    python benchmarks/run_all.py --only q7 --q7-store s3 --q7-restore-only --q7-mib 1024
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from questions.common import (
     Bench,
     CkptfsMount,
     MiB,
-    Moto,
+    SeaweedS3,
     ckptfs,
     ckptfs_config,
     ckptfs_mount,
@@ -187,7 +188,7 @@ def file_states(paths: list[Path]) -> list[str]:
 class Store:
     kind: str  # "s3" | "file"
     work: Path
-    moto: Moto | None = None
+    s3: SeaweedS3 | None = None
     bucket: str = ""
 
     @property
@@ -196,7 +197,7 @@ class Store:
 
     def config(self, staging: Path, extra: str) -> str:
         if self.kind == "s3":
-            return ckptfs_config(staging, moto=self.moto, bucket=self.bucket, prefix="run",
+            return ckptfs_config(staging, moto=self.s3, bucket=self.bucket, prefix="run",
                                  extra=extra)
         return ckptfs_config(staging, store_dir=self.store_dir, extra=extra)
 
@@ -206,8 +207,8 @@ class Store:
         if self.kind == "s3":
             from boto3.s3.transfer import TransferConfig
 
-            assert self.moto is not None
-            s3 = self.moto.client()
+            assert self.s3 is not None
+            s3 = self.s3.client()
             cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART,
                                  max_concurrency=PART_CONC)
 
@@ -236,51 +237,90 @@ def populate(store: Store, names: list[str], size: int, block: bytes, extra: str
 # -- one store ------------------------------------------------------------------------------
 
 
-def run_store(store: Store, names: list[str], size: int, block: bytes, extra: str, reps: int,
-              nulls: dict[str, Any]) -> dict[str, Any]:
-    kind = store.kind
-    total = size * len(names)
-    log(f"{kind}: writing {len(names)} x {size / MiB:.0f} MiB through ckptfs and syncing it")
-    populate_s = populate(store, names, size, block, extra)
-    log(f"{kind}: populated in {populate_s:.1f} s")
-
-    # 1. restore on a fresh node: baseline
-    local = store.work / f"{kind}-local"
+def restore_baseline(store: Store, names: list[str], total: int) -> dict[str, Any]:
+    """One baseline restore, cold: fetch every object the plain way, then read the copies."""
+    local = store.work / f"{store.kind}-local"
+    shutil.rmtree(local, ignore_errors=True)
     drop_caches()
     t0 = time.perf_counter()
     store.baseline_fetch(names, local)
     fetch_s = time.perf_counter() - t0
     base_read = read_all([local / n for n in names])
     base_s = fetch_s + base_read.seconds
-    what = "boto3 download_file" if kind == "s3" else "shutil.copyfile"
-    log(f"{kind}: baseline {what} {fetch_s:.2f} s + read {base_read.seconds:.2f} s "
+    what = "boto3 download_file" if store.kind == "s3" else "shutil.copyfile"
+    log(f"{store.kind}: baseline {what} {fetch_s:.2f} s + read {base_read.seconds:.2f} s "
         f"= {total / base_s / 1e6:.0f} MB/s")
+    return {"how": what, "fetch_s": fetch_s, "read": asdict(base_read), "total_s": base_s}
 
-    # 1. restore on a fresh node: ckptfs
+
+def restore_ckptfs(store: Store, names: list[str], total: int, extra: str,
+                   then: Any = None) -> dict[str, Any]:
+    """One ckptfs restore, cold: a FRESH mount (empty staging dir) reads every file;
+    ``then(mount, paths)`` runs before the unmount."""
+    kind = store.kind
     drop_caches()
     staging = store.work / f"{kind}-reader-staging"
     shutil.rmtree(staging, ignore_errors=True)
-    result: dict[str, Any] = {"store": kind, "bytes": total, "files": len(names),
-                              "populate_s": populate_s,
-                              "baseline": {"how": what, "fetch_s": fetch_s,
-                                           "read": asdict(base_read), "total_s": base_s}}
     t0 = time.perf_counter()
     with ckptfs_mount(store.work, f"{kind}-reader", store.config(staging, extra)) as m:
         mount_s = time.perf_counter() - t0
         paths = [m.path / n for n in names]
         fresh = read_all(paths, m.pid)
+        # Untimed: a file read whole becomes a local copy (an fdatasync) in the background,
+        # once the fetches pause (fetch.py), as a download's pages go to disk after it.
+        deadline = time.monotonic() + 60
+        while set(states := file_states(paths)) != {"committed"} and time.monotonic() < deadline:
+            time.sleep(0.1)
         status = ckptfs_status(m.path)
-        states = file_states(paths)
         rss = m.peak_rss()
         log(f"{kind}: ckptfs fresh mount {mount_s:.2f} s + read {fresh.seconds:.2f} s "
             f"= {total / fresh.seconds / 1e6:.0f} MB/s (read only); states {set(states)}; "
-            f"fetched {status.get('fetch', {}).get('bytes')} bytes")
-        result["ckptfs_fresh"] = {"mount_s": mount_s, "read": asdict(fresh),
-                                  "fetch": status.get("fetch"), "states_after": states,
-                                  "daemon_peak_rss": rss}
-        result["second_read"] = second_read(m, paths, local, names, reps, nulls)
-    shutil.rmtree(local, ignore_errors=True)
+            f"fetched {status.get('fetch', {}).get('bytes')} bytes; "
+            f"daemon CPU {fresh.daemon_cpu_s:.1f} s")
+        found = {"mount_s": mount_s, "read": asdict(fresh), "fetch": status.get("fetch"),
+                 "states_after": states, "daemon_peak_rss": rss}
+        if then is not None:
+            found["then"] = then(m, paths)
     shutil.rmtree(staging, ignore_errors=True)
+    return found
+
+
+def run_store(store: Store, names: list[str], size: int, block: bytes, extra: str, reps: int,
+              restore_reps: int, nulls: dict[str, Any] | None) -> dict[str, Any]:
+    kind = store.kind
+    total = size * len(names)
+    log(f"{kind}: writing {len(names)} x {size / MiB:.0f} MiB through ckptfs and syncing it")
+    populate_s = populate(store, names, size, block, extra)
+    log(f"{kind}: populated in {populate_s:.1f} s")
+
+    # 1. restore on a fresh node, side by side: baseline and ckptfs alternate (which goes
+    # first alternates too), each cold; the median of the rounds is reported.
+    local = store.work / f"{kind}-local"
+    rounds: list[dict[str, Any]] = []
+    for rep in range(restore_reps):
+        one: dict[str, Any] = {}
+        for side in (("baseline", "ckptfs") if rep % 2 == 0 else ("ckptfs", "baseline")):
+            if side == "baseline":
+                one["baseline"] = restore_baseline(store, names, total)
+            else:
+                one["ckptfs"] = restore_ckptfs(store, names, total, extra)
+        one["ratio"] = one["baseline"]["total_s"] / one["ckptfs"]["read"]["seconds"]
+        log(f"{kind}: restore round {rep + 1}: ckptfs / baseline {one['ratio']:.2f}")
+        rounds.append(one)
+    ratios = [r["ratio"] for r in rounds]
+    mid = sorted(range(len(rounds)), key=lambda i: ratios[i])[len(rounds) // 2]
+    result: dict[str, Any] = {"store": kind, "bytes": total, "files": len(names),
+                              "populate_s": populate_s, "restore_rounds": rounds,
+                              "restore_ratios": ratios,
+                              "baseline": rounds[mid]["baseline"],
+                              "ckptfs_fresh": rounds[mid]["ckptfs"]}
+    if nulls is not None:
+        # 2. the second read, through one more fresh mount once it has read everything
+        if not (local / names[0]).exists():
+            store.baseline_fetch(names, local)
+        restore_ckptfs(store, names, total, extra, then=lambda m, paths: result.update(
+            second_read=second_read(m, paths, local, names, reps, nulls)))
+    shutil.rmtree(local, ignore_errors=True)
     return result
 
 
@@ -385,7 +425,7 @@ def setup_nullfs(stack: ExitStack, work: Path, names: list[str], size: int,
 
 def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     total: int = r["bytes"]
-    store = "S3 (moto)" if r["store"] == "s3" else "file"
+    store = "S3 (SeaweedFS)" if r["store"] == "s3" else "file"
 
     def mbs(s: float) -> float:
         return total / s / 1e6
@@ -397,7 +437,10 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
          (f"{mbs(b['total_s']):.0f} ({b['fetch_s']:.1f} + {b['read']['seconds']:.1f} s) / "
           f"{mbs(fresh_s):.0f}; {mbs(fresh_s + mount_s):.0f}"), ""),
         ("restore throughput ckptfs / baseline (read only; incl. mount)",
-         f"**{b['total_s'] / fresh_s:.2f}**; {b['total_s'] / (fresh_s + mount_s):.2f}", "≥ 0.8"),
+         f"**{b['total_s'] / fresh_s:.2f}**; {b['total_s'] / (fresh_s + mount_s):.2f}",
+         "≥ 1.0" if r["store"] == "s3" else "≥ 0.8"),
+        (f"restore ckptfs / baseline, each of {len(r['restore_ratios'])} alternating rounds",
+         ", ".join(f"{x:.2f}" for x in r["restore_ratios"]), ""),
     ]
     fetch = f.get("fetch") or {}
     if fetch.get("bytes") is not None:
@@ -412,6 +455,8 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     if f["read"]["bytes"] != total:
         rows.append(("restore: bytes read != bytes stored", f"{f['read']['bytes']} != {total}",
                      "!"))
+    if "second_read" not in r:
+        return [(f"{store}: {m}", v, t) for m, v, t in rows]
     s = r["second_read"]
     names = ("plain", "nullfs", "nullfs-pread", "ckptfs")
     for case, label in (("cached", "FUSE page cache warm"),
@@ -463,15 +508,15 @@ def run(b: Bench) -> dict[str, Any]:
     errors: list[str] = []
     summary: list[tuple[str, str, str]] = []
     with ExitStack() as stack:
-        nulls = setup_nullfs(stack, work, names, size, block)
+        nulls = None if o.q7_restore_only else setup_nullfs(stack, work, names, size, block)
         for kind in stores:
             store = Store(kind, work)
             try:
                 if kind == "s3":
-                    store.moto = b.moto
-                    store.bucket = store.moto.new_bucket("restore")
+                    store.s3 = b.seaweed
+                    store.bucket = store.s3.new_bucket("restore")
                 results[kind] = run_store(store, names, size, block, o.q7_ckptfs_config,
-                                          o.q7_reps, nulls)
+                                          o.q7_reps, o.q7_restore_reps, nulls)
                 summary += summarize(results[kind])
             except Exception:  # noqa: BLE001 (one failed store must not hide the other)
                 import traceback
@@ -481,10 +526,10 @@ def run(b: Bench) -> dict[str, Any]:
                 errors.append(f"{kind}: {traceback.format_exc().strip().splitlines()[-1]}")
                 summary.append((f"{kind}: FAILED", errors[-1][:160].replace("|", "/"), ""))
             finally:
-                if store.moto is not None and store.bucket:
+                if store.s3 is not None and store.bucket:
                     try:
-                        store.moto.empty_bucket(store.bucket)
-                    except Exception as exc:  # noqa: BLE001 (moto may be what failed)
+                        store.s3.empty_bucket(store.bucket)
+                    except Exception as exc:  # noqa: BLE001 (the server may be what failed)
                         log(f"could not empty the bucket: {exc}")
                 shutil.rmtree(store.store_dir, ignore_errors=True)
     dropped = bool(DROPPED["ok"])
@@ -504,6 +549,8 @@ def plot(ax: Any, r: dict[str, Any]) -> None:
         labels.append(f"{kind}\nrestore")
         base.append(total / s["baseline"]["total_s"] / 1e6)
         ck.append(total / s["ckptfs_fresh"]["read"]["seconds"] / 1e6)
+        if "second_read" not in s:
+            continue
         med = s["second_read"]["median_s"]["daemon"]
         labels.append(f"{kind}\n2nd read (daemon)")
         base.append(total / med["nullfs"] / 1e6)
