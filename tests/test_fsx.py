@@ -963,9 +963,6 @@ def test_long_names(mounter: Mounter, tmp_path: Path) -> None:
     ckptfs("umount", m.path, "--no-wait")
 
 
-@pytest.mark.xfail(strict=False, reason="the file tier's temporary name '.<name>.ckptfs-tmp."
-                   "<hex>' is longer than 255 bytes for a 255-byte name: the upload is retried "
-                   "forever and umount waits (reported to the lead)")
 def test_long_name_reaches_warm_tier(mounter: Mounter) -> None:
     m = mounter()
     name = "n" * 255

@@ -513,3 +513,22 @@ async def test_s3_a_failed_part_is_the_upload_s_own_error(
         await tier.put_file("big", src, 3 * MIN_PART_SIZE, ObjectMeta())
     client = s3_endpoint.client()
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+async def test_file_tier_long_names_and_their_leftovers(tmp_path: Path) -> None:
+    """A 255-byte name fits its temporary name (cut, marked), and ``cleanup`` finds a
+    leftover temporary of a cut name by its prefix (ours only)."""
+    tier = FileTier("warm", f"file://{tmp_path}/store", tmp_path / "store")
+    src = tmp_path / "src"
+    src.write_bytes(b"long")
+    name = "n" * 255
+    await tier.put_file(f"d/{name}", src, 4, ObjectMeta())
+    assert (tmp_path / "store" / "d" / name).read_bytes() == b"long"
+    from ckptfs.tiers.local import _tmp_name
+
+    leftover = tmp_path / "store" / "d" / _tmp_name(name)
+    other = tmp_path / "store" / "d" / _tmp_name("m" * 255)
+    leftover.write_bytes(b"x")
+    other.write_bytes(b"y")
+    assert await tier.cleanup({f"d/{name}"}) == 1
+    assert not leftover.exists() and other.exists()

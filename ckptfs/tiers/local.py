@@ -193,11 +193,10 @@ class FileTier(Tier):
                 for rel_dir, dir_fd, entries in _walk(root_fd):
                     for entry in entries:
                         name = entry.name
-                        if TMP_MARK in name and name.startswith("."):
-                            target = name[1:name.index(TMP_MARK)]
-                            if rel_dir + target in keys_of_ours:
-                                _unlink_quiet_at(dir_fd, name)
-                                removed += 1
+                        if TMP_MARK in name and name.startswith(".") \
+                                and _tmp_target(name, rel_dir, keys_of_ours):
+                            _unlink_quiet_at(dir_fd, name)
+                            removed += 1
             finally:
                 os.close(root_fd)
             return removed
@@ -512,8 +511,31 @@ class FileTier(Tier):
 # -- helpers working relative to a directory fd ------------------------------------------------
 
 
+# A temporary name whose target's name had to be cut to fit NAME_MAX says so after the mark.
+_CUT = "cut."
+_NAME_MAX = 255
+
+
 def _tmp_name(name: str) -> str:
-    return f".{name}{TMP_MARK}{secrets.token_hex(6)}"
+    """``.<name>.ckptfs-tmp.<hex>``, or for a name too long for that (a 255-byte name would
+    make a 281-byte one: ENAMETOOLONG, an upload retried forever) the longest prefix of the
+    name that fits, marked ``cut.`` (``cleanup`` then matches by prefix)."""
+    suffix = secrets.token_hex(6)
+    whole = f".{name}{TMP_MARK}{suffix}"
+    if len(os.fsencode(whole)) <= _NAME_MAX:
+        return whole
+    room = _NAME_MAX - len(os.fsencode(f".{TMP_MARK}{_CUT}{suffix}"))
+    prefix = os.fsdecode(os.fsencode(name)[:room])
+    return f".{prefix}{TMP_MARK}{_CUT}{suffix}"
+
+
+def _tmp_target(tmp: str, rel_dir: str, keys: set[str]) -> bool:
+    """Whether the temporary file ``tmp`` in ``rel_dir`` was written for one of ``keys``."""
+    stem, _, rest = tmp[1:].partition(TMP_MARK)
+    if not rest.startswith(_CUT):
+        return rel_dir + stem in keys
+    # A cut name: any of ours with that prefix (in this directory) may be its target.
+    return any(k.startswith(rel_dir + stem) and "/" not in k[len(rel_dir):] for k in keys)
 
 
 def _is_symlink_at(dir_fd: int, name: str) -> bool:
