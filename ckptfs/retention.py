@@ -753,18 +753,7 @@ class Retention:
         (of checkpoints a remote tier holds) and need nobody's leave, so they are applied
         here; True if anything else (copies, removals, deletions: shared state) is planned.
         A run with nothing shared to do thus writes nothing to the store."""
-        state = await self.collect(now)
-        self._learn_classes(state)
-        await self._prune_pins(state, shared=False)
-        actions = plan(state.checkpoints, self.policy, state.now)
-        total.blocked = [a for a in actions if a.blocked is not None]
-        runnable = [a for a in actions if a.blocked is None]
-        local = [a for a in runnable if a.kind == "evict"]
-        if local:
-            result = await self.apply(local, state)
-            total.done += result.done
-            total.failed += result.failed
-        return any(a.kind != "evict" for a in runnable)
+        return await self._evict_and_check(await self.collect(now), total)
 
     async def _local_round(self, total: RunResult, now: float | None) -> bool:
         """``_needs_lease`` on this node's checkpoints only (``collect(only=...)``): their
@@ -785,7 +774,12 @@ class Retention:
         only = self._local_names(journal[0])
         if not only:
             return False
-        state = await self.collect(now, only=only, journal=journal)
+        return await self._evict_and_check(
+            await self.collect(now, only=only, journal=journal), total)
+
+    async def _evict_and_check(self, state: Snapshot, total: RunResult) -> bool:
+        """Plan from ``state``, apply its evictions (node-local: no lease needed); True if
+        it plans anything else (copies, removals, deletions: shared state)."""
         self._learn_classes(state)
         await self._prune_pins(state, shared=False)
         actions = plan(state.checkpoints, self.policy, state.now)
