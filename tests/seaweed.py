@@ -182,8 +182,9 @@ class Seaweed:
             f"-filer.localSocket={d / 'filer.sock'}", f"-s3.localSocket={d / 's3.sock'}",
         ]
 
-    def start(self, attempts: int = 3) -> None:
-        """Start on fresh free ports in a fresh directory; return once S3 answers."""
+    def _prepare_directory(self) -> None:
+        """A fresh directory of this process's, with the log directory and the
+        credentials; ``stop`` runs at exit."""
         sweep_leftovers()
         self.directory = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
         (self.directory / OWNER).write_text(str(os.getpid()))
@@ -193,6 +194,10 @@ class Seaweed:
             "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
         atexit.register(self.stop)
+
+    def start(self, attempts: int = 3) -> None:
+        """Start on fresh free ports in a fresh directory; return once S3 answers."""
+        self._prepare_directory()
         for attempt in range(1, attempts + 1):
             self.ports = dict(zip(COMPONENTS, pick_ports(len(COMPONENTS)), strict=True))
             data = self.directory / "data"  # nothing of an attempt on other ports
@@ -394,15 +399,7 @@ class SeaweedCluster(Seaweed):
     def start(self, attempts: int = 3) -> None:
         """Start every component on fresh free ports in a fresh directory; return once S3
         answers."""
-        sweep_leftovers()
-        self.directory = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
-        (self.directory / OWNER).write_text(str(os.getpid()))
-        (self.directory / "log").mkdir()
-        (self.directory / "s3.json").write_text(json.dumps({"identities": [{
-            "name": "ckptfs-tests",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
-        atexit.register(self.stop)
+        self._prepare_directory()
         for attempt in range(1, attempts + 1):
             self.ports = dict(zip(CLUSTER_COMPONENTS, pick_ports(len(CLUSTER_COMPONENTS)),
                                   strict=True))
