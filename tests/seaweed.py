@@ -198,6 +198,7 @@ class Seaweed:
     def start(self, attempts: int = 3) -> None:
         """Start on fresh free ports in a fresh directory; return once S3 answers."""
         self._prepare_directory()
+        assert self.directory is not None
         for attempt in range(1, attempts + 1):
             self.ports = dict(zip(COMPONENTS, pick_ports(len(COMPONENTS)), strict=True))
             data = self.directory / "data"  # nothing of an attempt on other ports
@@ -400,6 +401,7 @@ class SeaweedCluster(Seaweed):
         """Start every component on fresh free ports in a fresh directory; return once S3
         answers."""
         self._prepare_directory()
+        assert self.directory is not None
         for attempt in range(1, attempts + 1):
             self.ports = dict(zip(CLUSTER_COMPONENTS, pick_ports(len(CLUSTER_COMPONENTS)),
                                   strict=True))

@@ -172,17 +172,11 @@ server.stop()
 """
 
 
-@dataclass
-class Moto:
-    endpoint: str
-    proc: subprocess.Popen[bytes]
+class _Buckets:
+    """Buckets of an S3 server whose ``client()`` the subclass gives."""
 
     def client(self) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                            config=Config(max_pool_connections=32))
+        raise NotImplementedError
 
     def new_bucket(self, prefix: str = "bench") -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
@@ -192,6 +186,19 @@ class Moto:
     def empty_bucket(self, bucket: str) -> None:
         """Drop every object (moto keeps them in spooled temp files: free the disk)."""
         _empty_bucket(self.client(), bucket)
+
+
+@dataclass
+class Moto(_Buckets):
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            config=Config(max_pool_connections=32))
 
     def tier_lines(self) -> list[str]:
         """The endpoint (and keys) of a ckptfs tier on this server (the environment's dummy
@@ -210,7 +217,7 @@ def _empty_bucket(s3: Any, bucket: str) -> None:
 
 
 @dataclass
-class SeaweedS3:
+class SeaweedS3(_Buckets):
     """A real S3 server on loopback: SeaweedFS's ``weed mini``, started by the tests' own
     tests/seaweed.py (loopback only, telemetry off, its own ports and temp dir, random keys;
     stopped by ``stop()`` and, should this process die, by the kernel)."""
@@ -223,14 +230,6 @@ class SeaweedS3:
 
     def client(self) -> Any:
         return self.server.client(max_pool_connections=32)
-
-    def new_bucket(self, prefix: str = "bench") -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def empty_bucket(self, bucket: str) -> None:
-        _empty_bucket(self.client(), bucket)
 
     def tier_lines(self) -> list[str]:
         return [f'endpoint_url = "{self.endpoint}"',
