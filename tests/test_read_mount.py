@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptfs.tiers.base import CONTROL_PREFIX
-from tests.mounting import Mount, Mounter, ckptfs, register_first, status
+from tests.mounting import Mount, Mounter, ckptfs, register_first, status, wait_for
 from tests.s3bucket import ARCHIVE, PREFIX, REQUEST_LOG, UNSAFE_KEYS, Bucket
 from tests.s3server import S3Server
 
@@ -169,7 +169,9 @@ def test_lazy_torch_load_fetches_only_what_it_reads(mounter: Mounter, bucket: Bu
     del got
     total = fetched(b)
     assert total <= size  # nothing fetched twice
-    assert b.state("ckpt_step_100.pt") == "committed"  # whole and verified: a local copy
+    # Whole and verified: a local copy. The completion (an fdatasync of the whole file) runs
+    # in the background once the fetches pause, so it is a moment after the last read.
+    wait_for("a committed local copy", lambda: b.state("ckpt_step_100.pt") == "committed")
     got = torch.load(b.path / "ckpt_step_100.pt", weights_only=True)  # served locally
     del got
     assert fetched(b) == total
