@@ -304,7 +304,7 @@ class ControlServer:
     async def _evict(self, path: str) -> dict[str, Any]:
         try:
             row = await self.fs.resolve(path)
-            evicted, freed, kept = self.fs.evict_tree(row.ino)
+            evicted, freed, kept = await self.fs.evict_tree(row.ino)
         except CkptfsError as exc:
             return {"error": f"{path or '/'}: {exc}"}
         return {"evicted_files": evicted, "freed_bytes": freed, "kept": kept[:20],

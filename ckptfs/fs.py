@@ -23,8 +23,10 @@ import math
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -181,6 +183,9 @@ def state_label(row: Row) -> str:
     return row.state.value
 
 
+# A removed file at least this big is unlinked in a worker thread (with a nursery): the
+# unlink of a multi-GB file waits on the disk; a small one is quicker than the hand-off.
+UNLINK_IN_BACKGROUND = 16 * 1024 * 1024
 # At most one "writers wait for space" log line per this many seconds.
 STALL_LOG_EVERY = 30.0
 # How often a writer waiting for space asks the uploader to retry failed items at once.
@@ -205,6 +210,12 @@ class Filesystem:
         self.write_direct_io = write_direct_io
         self.stall_seconds = 0.0
         self._stall_logged_at = -math.inf
+        # Unlinks of data files under way in worker threads (evict_async, big removed
+        # files); writers short of space wait for them before they wait for uploads.
+        self._frees_in_flight = 0
+        self._space_freed = trio.lowlevel.ParkingLot()
+        # Where big removed files are unlinked in the background (the mount's nursery).
+        self.nursery: trio.Nursery | None = None
         self.bytes_written = 0  # through write() since the mount (metrics)
         # unlink = "local-only" leaves remote copies to retention; fsync = "remote" waits for
         # the store (docs/SEMANTICS.md).
@@ -271,6 +282,9 @@ class Filesystem:
             elif not self.staging.exists(ino):
                 self.journal.set_ranges(ino, [])  # the data file was lost: fetch again
         self._remove_remote_leftovers()
+        if trashed := self.staging.empty_trash():
+            log.info("removed %d data files an interrupted eviction or removal left in %s",
+                     trashed, self.staging.trash_dir)
         for stray in self.staging.stray_files(self.journal.all_inos()):
             log.warning("staging file with no journal entry (kept, not deleted): %s", stray)
         self.space.used = self.journal.local_bytes()
@@ -349,6 +363,15 @@ class Filesystem:
                 self.fetcher.drop(row.ino)  # fetched ranges, if any
             else:
                 self.staging.unlink(row.ino)
+        elif self.nursery is not None and row.size >= UNLINK_IN_BACKGROUND:
+            # A checkpoint rotated away (rmtree of GBs): the unlink waits on the disk for
+            # tens of milliseconds a file, in a worker thread; the space comes back after.
+            trashed = self.staging.discard(row.ino)
+            if trashed is not None:
+                self._frees_in_flight += 1
+                self.nursery.start_soon(
+                    self._freeing, partial(trio.to_thread.run_sync,
+                                           self.staging.remove_trashed, [trashed]), row.size)
         elif self.staging.unlink(row.ino):
             # Only if the data was still there: a removed inode is dropped again when its last
             # reference goes (a handle closed, then the kernel's forget), and its space must
@@ -882,12 +905,17 @@ class Filesystem:
             hurried = -math.inf
             with trio.move_on_after(self.write_stall_timeout):
                 while True:
-                    self._evict(nbytes)
+                    await self._evict(nbytes)
                     if self.space.try_take(nbytes):
                         return
                     self._log_stall(nbytes)
                     # hurry() wakes every waiter: two writers waiting here, each hurrying at
                     # each wake-up, would wake each other forever without a pause.
+                    if self._frees_in_flight:
+                        # An eviction or a removal is unlinking: its space comes back when it
+                        # returns, which is no upload progress.
+                        await self._space_freed.park()
+                        continue
                     if trio.current_time() - hurried >= HURRY_EVERY:
                         hurried = trio.current_time()
                         self.listener.hurry()
@@ -919,14 +947,14 @@ class Filesystem:
         await self._reserve(nbytes, force_evict=True)
         self.space.give_back(nbytes)
 
-    def _evict(self, nbytes: int) -> int:
-        """Drop local copies of committed files, oldest first, until ``nbytes`` are freed
-        (fetched ranges of files not wholly local go first)."""
+    def _victims(self, nbytes: int) -> tuple[int, list[Row]]:
+        """Committed local copies to drop, oldest first, until ``nbytes`` would be freed
+        (fetched ranges of files not wholly local are dropped at once, first)."""
         freed = 0
         if self.fetcher is not None:
             for ino in self.fetcher.partial_inos():
                 if freed >= nbytes:
-                    return freed
+                    return freed, []
                 if not self._busy(ino) and self.ns.get(ino).state is State.REMOTE:
                     freed += self.fetcher.drop(ino)
         victims: list[Row] = []
@@ -939,42 +967,92 @@ class Filesystem:
                 continue
             victims.append(cached)
             freed += cached.size
-        self.evict(*victims)  # one durable journal commit for the lot
+        return freed, victims
+
+    async def _evict(self, nbytes: int) -> int:
+        """Drop local copies of committed files until ``nbytes`` are freed; returns once the
+        disk has the space back."""
+        freed, victims = self._victims(nbytes)
+        await self.evict_async(*victims)  # one durable journal commit for the lot
         return freed
 
     def evict_for_space(self, nbytes: int) -> int:
         """Make room for a writer the daemon cannot stall (a passthrough open): evict at once,
         without waiting; returns the bytes freed."""
-        return self._evict(nbytes)
+        freed, victims = self._victims(nbytes)
+        self.evict(*victims)
+        return freed
 
     def evict(self, *rows: Row) -> None:
         """Drop the local copies of committed files; they stay readable from the warm tier.
+        Blocking on the disk (the journal's fsync, the unlinks): for callers that cannot
+        wait (a passthrough writer's reservation, ``ckptfs evict --staging``); the daemon's
+        other callers use ``evict_async``."""
+        trashed = self._mark_evicted(rows)
+        self.journal.make_durable()
+        self.staging.remove_trashed(trashed)
+        for row in rows:
+            self.space.give_back(row.size)
+            log.info("evicted local copy of %s (%d bytes)", row.remote_key, row.size)
 
-        Journal first: they are recorded REMOTE, durably, and only then is their data unlinked
-        (one journal sync for all of ``rows``: pass a checkpoint's files in one call).
-
-        Invariant: a COMMITTED row always has its whole data file. The other order would let a
-        crash between the two leave a COMMITTED row with no data, which reads as zeros instead
-        of being fetched. This order leaves at worst a REMOTE row with its old data file still
-        there: garbage that ``start`` removes.
-        """
+    async def evict_async(self, *rows: Row) -> None:
+        """``evict`` with the disk waits in worker threads: the loop answers other requests
+        meanwhile (the unlink of a multi-GB file takes tens of milliseconds on ext4). The
+        space is given back only once the unlinks returned, when the disk has it: a writer
+        woken earlier would meet a real ENOSPC."""
+        trashed = self._mark_evicted(rows)
         if not rows:
             return
+
+        async def durable_then_unlinked() -> None:
+            await self.journal.make_durable_async()
+            await trio.to_thread.run_sync(self.staging.remove_trashed, trashed)
+
+        self._frees_in_flight += 1
+        await self._freeing(durable_then_unlinked, sum(row.size for row in rows))
+        for row in rows:
+            log.info("evicted local copy of %s (%d bytes)", row.remote_key, row.size)
+
+    async def _freeing(self, unlink: Callable[[], Awaitable[None]], nbytes: int) -> None:
+        """Run ``unlink`` (disk waits in worker threads), then give ``nbytes`` back and wake
+        the writers waiting for space. Not on an error: the space stays taken (the files are
+        in the trash, which the next start empties, and it measures the space again).
+
+        The caller counts it in ``_frees_in_flight`` before it starts (synchronously: a
+        writer short of space decides by that count whether to wait for it)."""
+        try:
+            with trio.CancelScope(shield=True):  # bounded; the accounting must follow the disk
+                await unlink()
+            self.space.give_back(nbytes)
+        finally:
+            self._frees_in_flight -= 1
+            self._space_freed.unpark_all()
+
+    def _mark_evicted(self, rows: tuple[Row, ...]) -> list[Path]:
+        """The first, synchronous half of an eviction: the rows become REMOTE in one journal
+        transaction and their data files move into the staging's trash at once (a rename),
+        so a read that faults the file in meanwhile writes to a new data file.
+
+        Order and crashes: the REMOTE rows are committed before the renames and made durable
+        before the unlinks. A power loss can still keep a rename and lose the REMOTE (the
+        journal is synced after the renames, so that the loop does not wait for it): the row
+        is then COMMITTED without its data file, which ``_repair_committed`` turns REMOTE at
+        the next start (its committed copy is in the store: eviction takes only rows with a
+        store key); the trash is emptied then. A crash after the journal sync leaves only
+        files in the trash. The journal goes first so that a crash of the process alone (the
+        kernel keeps both the commit and the renames) never needs that repair.
+        """
+        if not rows:
+            return []
         with self.journal.transaction():
             for row in rows:
                 if self.fetcher is not None:
                     self.fetcher.reset(row.ino)  # a new generation: no late fetch lands in it
                 row.state = State.REMOTE
                 self.ns.persist(row)
-        # Durable (WAL synced) before any unlink: a power loss must not keep the unlink and
-        # lose the REMOTE (start() would repair that too, but only by noticing the loss).
-        self.journal.make_durable()
-        for row in rows:
-            self.staging.unlink(row.ino)
-            self.space.give_back(row.size)
-            log.info("evicted local copy of %s (%d bytes)", row.remote_key, row.size)
+        return [path for row in rows if (path := self.staging.discard(row.ino)) is not None]
 
-    def evict_tree(self, ino: int) -> tuple[int, int, list[str]]:
+    async def evict_tree(self, ino: int) -> tuple[int, int, list[str]]:
         """``ckptfs evict PATH``: drop local copies of committed files at or under ``ino``.
 
         Returns (files evicted, bytes freed, files kept with the reason). Files not committed
@@ -998,7 +1076,7 @@ class Filesystem:
                     evicted, freed = evicted + 1, freed + dropped
             else:
                 kept.append(f"{path}: {state_label(row)}, not committed to the store yet")
-        self.evict(*victims)  # one durable journal commit for the lot
+        await self.evict_async(*victims)  # one durable journal commit for the lot
         return evicted, freed, kept
 
     async def ensure_local(self, row: Row) -> None:

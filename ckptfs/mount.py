@@ -329,6 +329,7 @@ async def _serve_registered(
             if metrics is not None:
                 nursery.start_soon(metrics.serve)
             assert fs.fetcher is not None and fs.lister is not None
+            fs.nursery = nursery  # unlinks of big removed files
             fs.fetcher.nursery = nursery  # readahead runs beside the FUSE workers
             nursery.start_soon(fs.fetcher.run_flusher)
             fs.lister.nursery = nursery  # and listings a lookup stopped waiting for

@@ -19,8 +19,9 @@ Invariants:
   and reported. REMOTE files lose what is left of their data file: fetched ranges (a cache of
   the store copy; kept if that copy is archived) or the leftover of an eviction cut short.
 - Journal first, as the daemon does: the rows are recorded REMOTE (and fetched ranges
-  dropped) in one transaction, made durable (WAL fsynced), and only then are data files
-  unlinked. A COMMITTED row therefore always keeps its whole data file.
+  dropped) in one transaction, their data files moved into ``<staging>/trash``, the journal
+  made durable (WAL fsynced), and only then are the files unlinked. What is in the trash is
+  garbage (staging.py): this command empties it too, as a mount does.
 - ``--dry-run`` takes the lock too (a mounted directory is refused the same way), reads, and
   changes nothing.
 
@@ -29,16 +30,16 @@ A crash (or SIGKILL, or power loss) between any two steps loses nothing:
 1. before the journal commit: nothing changed; run it again.
 2. after the commit, before it is durable: a power loss may roll the commit back; no data
    file was unlinked yet, so the rows are COMMITTED with their whole data, as before.
-3. after the durable commit, between unlinks: some REMOTE rows still have their old data
-   file and no fetched ranges. The next mount's replay removes such files
+3. after the commit, between the moves into the trash: some REMOTE rows still have their
+   old data file and no fetched ranges. The next mount's replay removes such files
    (``Filesystem._remove_remote_leftovers``), and so does the next run of this command
    (which is the way on when the disk is still too full to mount).
-4. a power loss that kept some unlinks and lost nothing else: as 3 (the commit was durable
-   before the first unlink).
-
-The other order (unlink, then journal) would be repaired too (replay turns a COMMITTED row
-with a missing data file into REMOTE: ``Filesystem._repair_committed``), but only by noticing
-a loss and logging it as one; the daemon chose journal first, and so does this.
+4. after the moves, between unlinks: files left in the trash; the next mount or run of this
+   command unlinks them.
+5. a power loss that kept some moves and lost the commit: COMMITTED rows without their data
+   file, which the next mount's replay turns REMOTE (``Filesystem._repair_committed``: their
+   store copy is there), logging the loss; the daemon's eviction has the same window (it
+   syncs the journal after the moves, in a worker thread: fs.py ``_mark_evicted``).
 
 Called by cli.py only; never while a daemon serves the directory (the lock says so).
 """
@@ -146,7 +147,12 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
         victims.append(row)
         out.evicted_files += 1
         out.freed_bytes += _allocated(staging, row.ino)
+    trash = _trash(staging)
+    out.evicted_files += len(trash)
+    out.freed_bytes += sum(size for _, size in trash)
     if not dry_run:
+        if trash:
+            staging.remove_trashed([path for path, _ in trash])
         with journal.transaction():
             for row in leftovers:
                 journal.set_ranges(row.ino, [])  # fetched ranges: a cache, fetched again
@@ -187,6 +193,15 @@ def _resolve(journal: Journal, prefix: str) -> int:
                             f"relative to the mount root, e.g. step_100/model.pt)")
         ino = found.ino
     return ino
+
+
+def _trash(staging: Staging) -> list[tuple[Path, int]]:
+    """What an interrupted eviction left in ``<staging>/trash``, with the bytes it holds."""
+    try:
+        entries = list(os.scandir(staging.trash_dir))
+    except FileNotFoundError:
+        return []
+    return [(Path(entry.path), entry.stat().st_blocks * 512) for entry in entries]
 
 
 def _allocated(staging: Staging, ino: int) -> int:

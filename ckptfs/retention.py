@@ -764,10 +764,14 @@ class Retention:
         it sees. Every rule keeps in S at least what it keeps of S in G (a checkpoint
         among the last N of G has fewer than N newer ones in S too; the newest of an hour
         in G is the newest of that hour in S; a milestone is the smallest step past its
-        fraction in both), so an NVMe copy the full plan keeps is never evicted here; and
+        fraction in both), so an NVMe copy the hot rules keep is never evicted here; and
         an eviction still needs a copy that stays in a tier, which this view lists. What
-        it cannot see (other checkpoints) only makes it keep more. Anything else it plans
-        is only a reason to take the lease; the holder re-plans from the whole store."""
+        it cannot see (other checkpoints) only makes the rules keep more. One thing it
+        can do sooner than the full plan: evict a checkpoint that the full plan keeps on
+        NVMe until a colder tier that must hold it does (as a source for that copy), when
+        in this view the warm tier, which holds it, still selects it; the copy then reads
+        from the warm tier. Anything else it plans is only a reason to take the lease;
+        the holder re-plans from the whole store."""
         if self.fs is None:
             return False
         journal = journal_files(self.fs.ns)
@@ -826,7 +830,7 @@ class Retention:
                     assert action.tier is not None
                     await self._remove(c, action.tier, state)
                 elif action.kind == "evict":
-                    self._evict(c, state)
+                    await self._evict(c, state)
                 else:
                     await self._delete(c)
             except (CkptfsError, OSError) as exc:
@@ -1003,7 +1007,7 @@ class Retention:
         if path is not None:
             raise InUse(f"{path} is open: left for a later run")
 
-    def _evict(self, c: Checkpoint, state: Snapshot) -> None:
+    async def _evict(self, c: Checkpoint, state: Snapshot) -> None:
         assert self.fs is not None
         self._check_not_open(c)
         rows = []
@@ -1015,7 +1019,7 @@ class Retention:
             if row.state is State.COMMITTED and row.remote_key is not None \
                     and self.fs.ns.open_count(row.ino) == 0:
                 rows.append(row)
-        self.fs.evict(*rows)  # one journal sync for the checkpoint, not one per file
+        await self.fs.evict_async(*rows)  # one journal sync for the checkpoint, not one per file
 
     async def _delete(self, c: Checkpoint) -> None:
         # The journal first: a crash after this leaves store copies that the next run sees as

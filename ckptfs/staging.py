@@ -6,6 +6,7 @@ server checks who connects (control.py), but cannot list it; every file in it is
 
     <staging>/journal.db   the journal (journal.py)
     <staging>/data/<ino>   the bytes of inode <ino>, sparse where nothing was written
+    <staging>/trash/<ino>.<n>  data files taken out of the way, waiting for their unlink
     <staging>/lock         flock()ed by the one daemon that owns this directory
     <staging>/daemon.log   log of a daemon started in the background
     <staging>/store-id     the store (normalized warm-tier URL) this directory's files belong to
@@ -17,6 +18,11 @@ Invariants:
   so a write through one handle is seen by a read through another at once.
 - Data files are never deleted here on our own initiative: the caller decides (after unlink,
   or, later, after a tier holds a committed copy).
+- A file in ``trash`` is garbage whatever the journal says: it was renamed there only when its
+  inode no longer needed it (evicted, or removed), so a crash before its unlink leaves nothing
+  but space to reclaim (``empty_trash`` at start). The rename frees the data file's name at once
+  (a fetch may create a new file there meanwhile); the unlink of a multi-GB file, which waits
+  on the disk, runs in a worker thread.
 - A data file's bytes are durable only once ``datasync`` (or an fsync(2) of the user's) returned:
   the uploader calls it before the journal says COMMITTED.
 """
@@ -60,6 +66,8 @@ class Staging:
         # was evicted): closed at their last release, never handed out again.
         self._detached: dict[int, _OpenData] = {}
         self._lock_fd: int | None = None
+        self.trash_dir = root / "trash"
+        self._trashed = 0  # names in trash: <ino>.<n>, n counting up in this process
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -267,15 +275,54 @@ class Staging:
     def unlink(self, ino: int) -> bool:
         """Remove ``ino``'s data file; True if there was one (callers that account for its
         space give it back only then: removing twice must not free twice)."""
-        held = self._open.pop(ino, None)
-        if held is not None:
-            # Whoever holds it keeps writing to the old file; the next acquire gets a new one.
-            self._detached[held.fd] = held
+        self._detach(ino)
         try:
             os.unlink(self.path(ino))
         except FileNotFoundError:
             return False
         return True
+
+    def _detach(self, ino: int) -> None:
+        held = self._open.pop(ino, None)
+        if held is not None:
+            # Whoever holds it keeps writing to the old file; the next acquire gets a new one.
+            self._detached[held.fd] = held
+
+    def discard(self, ino: int) -> Path | None:
+        """Move ``ino``'s data file into ``trash`` (a rename: no wait on the data) and return
+        where it went, for ``remove_trashed`` to unlink; None if there was no file. From the
+        caller's point of view the data file is gone, as after ``unlink``."""
+        self._detach(ino)
+        self._trashed += 1
+        # A leftover of an earlier process may have this name: renaming over it frees it too.
+        target = self.trash_dir / f"{ino}.{self._trashed}"
+        for attempt in (1, 2):
+            try:
+                os.rename(self.path(ino), target)
+                return target
+            except FileNotFoundError:
+                if attempt == 2 or not self.path(ino).exists():
+                    return None
+                self.trash_dir.mkdir(mode=0o700, exist_ok=True)  # the first discard here
+        return None
+
+    @staticmethod
+    def remove_trashed(paths: list[Path]) -> None:
+        """Unlink files ``discard`` moved away (blocking on the disk: a worker thread's job)."""
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def empty_trash(self) -> int:
+        """Unlink what a crash left in ``trash``; returns how many files there were."""
+        try:
+            names = os.listdir(self.trash_dir)
+        except FileNotFoundError:
+            return 0
+        self.remove_trashed([self.trash_dir / name for name in names])
+        return len(names)
 
     def file_size(self, ino: int) -> int | None:
         try:

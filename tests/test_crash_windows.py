@@ -17,6 +17,7 @@ from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.fs import RENAME_EXCHANGE
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.keys import PARKING_PREFIX
+from ckptfs.staging import Staging
 from ckptfs.tiers.memory import MemoryTier, store_named
 from ckptfs.upload import is_marker
 from tests.test_read_path import node
@@ -106,22 +107,108 @@ async def test_kill_during_eviction_before_the_journal_keeps_a_readable_file(
         assert await a.read("step_1/model.pt") == DATA
 
 
+@pytest.mark.parametrize("at", ["discard", "remove_trashed"])
 async def test_kill_during_eviction_after_the_journal_reads_from_the_store(
-    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+    tmp_path: Path, store: str, at: str, autojump_clock: trio.abc.Clock
 ) -> None:
-    """Killed after the journal said REMOTE, before the unlink: the leftover data file is
-    garbage, removed at start, and the file is fetched from the store."""
+    """Killed after the journal said REMOTE, before the data file went to the trash or before
+    the trash was emptied: the leftover is garbage, removed at start, and the file is fetched
+    from the store."""
     root = tmp_path / "a"
     ino = await _committed(root, store, "step_1/model.pt")
     async with node(root, store) as a:
         row = a.fs.getattr(ino)
-        a.fs.staging.unlink = _kill  # type: ignore[method-assign]
+        setattr(a.fs.staging, at, _kill)
         with pytest.raises(Killed):
             a.fs.evict(row)
+    left = list((root / "trash").iterdir()) if (root / "trash").exists() else []
+    assert len(left) == (at == "remove_trashed")
     async with node(root, store) as a:
         assert not a.fs.staging.exists(ino), "a REMOTE row's unrecorded data file is garbage"
+        assert not (root / "trash").exists() or not list((root / "trash").iterdir())
         assert a.fs.space.used == 0
     await _read_after_restart(root, store, "step_1/model.pt", ino)
+
+
+def _hold_unlinks(staging: Staging) -> tuple[trio.Event, trio.Event]:
+    """Make the worker thread's unlinks of trashed files wait: the first event is set when
+    one starts, and it goes on once the second is."""
+    started, go_on = trio.Event(), trio.Event()
+    real_remove = staging.remove_trashed
+
+    def held_remove(paths: list[Path]) -> None:
+        trio.from_thread.run_sync(started.set)
+        trio.from_thread.run(go_on.wait)
+        real_remove(paths)
+
+    staging.remove_trashed = held_remove  # type: ignore[method-assign]
+    return started, go_on
+
+
+async def test_a_read_while_the_eviction_unlinks_in_a_thread(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """``evict_async`` waits for the journal's fsync and the unlink in worker threads; a read
+    meanwhile faults the file in again into a new data file, which the unlink of the old one
+    (moved to the trash) must not touch: the bytes stay right, during and after. The space
+    comes back only once the unlink returned."""
+    root = tmp_path / "a"
+    ino = await _committed(root, store, "step_1/model.pt")
+    async with node(root, store) as a:
+        row = a.fs.getattr(ino)
+        used = a.fs.space.used
+        unlinked, go_on = _hold_unlinks(a.fs.staging)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.fs.evict_async, row)
+            await unlinked.wait()
+            assert a.fs.getattr(ino).state is State.REMOTE
+            assert a.fs.space.used == used, "given back before the disk has the space"
+            assert await a.read("step_1/model.pt") == DATA  # fetched into a new data file
+            before = a.fs.space.used  # the old copy, and the new one's fetched bytes
+            go_on.set()
+        assert a.fs.space.used == before - len(DATA)
+        assert await a.read("step_1/model.pt") == DATA
+        assert not list((root / "trash").iterdir())
+
+
+async def test_a_big_removed_file_is_unlinked_in_a_thread_and_its_space_wakes_a_writer(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removed multi-GB file (here: above a lowered threshold) goes to the trash and is
+    unlinked in a worker thread. A writer short of space meanwhile, with nothing to evict and
+    the store down (so no upload progress will come), gets the space once the unlink
+    returned, not before and not never."""
+    monkeypatch.setattr("ckptfs.fs.UNLINK_IN_BACKGROUND", 100_000)
+    n = 200_000
+    async with node(tmp_path / "a", store, max_bytes=2 * n) as a:
+        a.tier.down = True
+        await a.write("old.bin", os.urandom(2 * n))
+        assert a.fs.space.used == 2 * n
+        unlinking, go_on = _hold_unlinks(a.fs.staging)
+        new = os.urandom(n)
+        written_at: list[float] = []
+
+        async def writer() -> None:
+            await a.write("new.bin", new)
+            written_at.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.sleep(5)
+            assert a.fs.stall_seconds == 0, "the writer waits"
+            await a.fs.unlink(ROOT_INODE, b"old.bin")
+            await unlinking.wait()
+            assert len(list((tmp_path / "a" / "trash").iterdir())) == 1
+            await trio.sleep(5)
+            assert a.fs.space.used == 2 * n, "given back before the disk has the space"
+            go_on.set()
+            freed_at = trio.current_time()
+        # Woken by the unlink itself (virtual time: the store's retries would take seconds).
+        assert written_at[0] - freed_at < 0.1
+        assert a.fs.space.used == n
+        assert not list((tmp_path / "a" / "trash").iterdir())
+        assert await a.read("new.bin") == new
 
 
 @pytest.mark.parametrize("left", [None, 0, len(DATA) // 2])
@@ -150,7 +237,7 @@ async def _evicted_tree(root: Path, store: str, files: dict[str, bytes]) -> None
             await a.write(path, data)
         await a.sync()
         step = await a.resolve("step_1")
-        assert a.fs.evict_tree(step.ino)[0] == len(files)
+        assert (await a.fs.evict_tree(step.ino))[0] == len(files)
         for path in files:
             assert a.fs.getattr((await a.resolve(path)).ino).state is State.REMOTE
 
@@ -244,7 +331,7 @@ async def test_restart_in_the_middle_of_a_directory_swap(
             await a.write(path, data)
         await a.sync()
         for name in ("cur", "nxt"):
-            a.fs.evict_tree((await a.resolve(name)).ino)
+            await a.fs.evict_tree((await a.resolve(name)).ino)
     async with node(root, store) as a:
         copy = a.tier.copy
 

@@ -162,27 +162,25 @@ def test_a_crash_between_journal_and_unlinks_is_finished_by_the_next_run(
     sync(m)
     m.umount()
 
-    # The process dies after the first unlink, after the journal said REMOTE (durably).
-    real_unlink = Staging.unlink
-    calls = []
+    # The process dies after the first unlink, after the journal said REMOTE (durably) and
+    # the data files went into the trash.
+    real_remove = Staging.remove_trashed
 
-    def dying_unlink(self: Staging, ino: int) -> bool:
-        if calls:
-            raise KeyboardInterrupt("killed")
-        calls.append(ino)
-        return real_unlink(self, ino)
+    def dying_remove(paths: list[Path]) -> None:
+        real_remove(paths[:1])
+        raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(Staging, "unlink", dying_unlink)
+    monkeypatch.setattr(Staging, "remove_trashed", staticmethod(dying_remove))
     with pytest.raises(KeyboardInterrupt):
         evict_offline(staging)
     monkeypatch.undo()
-    left = [rel for rel, ino in inos.items() if data_file(staging, ino).exists()]
-    assert len(left) == 2, left
+    assert not any(data_file(staging, ino).exists() for ino in inos.values())
+    assert len(list((staging / "trash").iterdir())) == 2
 
-    # The lock died with it; the next run removes the leftovers of REMOTE rows.
+    # The lock died with it; the next run removes what is left in the trash.
     done = evict_offline(staging)
     assert done.evicted_files == 2 and not done.kept
-    assert not any(data_file(staging, ino).exists() for ino in inos.values())
+    assert not list((staging / "trash").iterdir())
     m.remount()
     for rel, payload in files.items():
         assert m.state(rel) == "remote", rel

@@ -90,6 +90,7 @@ async def node(root: Path, store: str, settings: ReadSettings = SETTINGS, *,
             await nursery.start(uploader.run)
             assert fs.fetcher is not None
             fs.fetcher.nursery = nursery
+            fs.nursery = nursery
             yield Node(fs, tier)
             nursery.cancel_scope.cancel()
     finally:
