@@ -29,7 +29,8 @@ markdown table of figures and ratios and writes to --out (default benchmarks/res
 
 Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode that CI runs so
 that the scripts do not rot (tiny sizes, one round, each question's code run once but not every
-repetition of it: see QUICK below; under a minute on 2 cores); its numbers mean little.
+repetition of it: see QUICK below; ~90-110 CPU-seconds in all, 1.7-3 min on this shared
+2-CPU machine under other sessions' load); its numbers mean little.
 
 Usage::
 
@@ -107,7 +108,7 @@ QUICK_FIRST = ("q7", "q6", "q3", "q4", "q8", "q2", "q1", "q5")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, < 1 min")
+    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, 3 questions at once")
     p.add_argument("--only", default=",".join(QUESTIONS), help="questions to run, e.g. q1,q3")
     p.add_argument("--out", type=Path, default=HERE / "results",
                    help="where run_all[.quick].json/.png go")

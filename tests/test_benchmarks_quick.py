@@ -2,8 +2,9 @@
 once, three questions at a time, with one SeaweedFS server for all (Q7, the restore, with both
 stores; Q6, the node data path, on tmpfs, its passthrough cells measured when
 scripts/build_passthrough_fuse.sh was built and saying why not otherwise; Q8, the
-responsiveness at scale, at 200 files, a 16 MiB fsync and 4 simulated nodes). Under a minute
-on 2 quiet cores; the sizes and cuts are run_all.QUICK.
+responsiveness at scale, at 200 files, a 16 MiB fsync and 4 simulated nodes); the sizes and
+cuts are run_all.QUICK. ~90-110 CPU-seconds for the run and what it starts (measured
+2026-12-03): 104-184 s on the shared 2-CPU machine at load average 3-8.
 
 It checks that the runner produced its table, JSON and PNG and that no question failed, never
 the figures themselves (benchmarks print numbers, they do not assert them; on a shared CI
