@@ -81,7 +81,7 @@ def str_list(text: str) -> list[str]:
 
 
 # --quick: every question's code once, at the least that runs it. Most of the time is fixed
-# cost (a ckptfs mount is ~2.5 s and ~1.7 CPU-s: two interpreter starts), so besides tiny sizes
+# cost (a ckptfs mount is ~2.5 s and 1.7-2.6 CPU-s: two interpreter starts), so besides tiny sizes
 # it cuts mounts and processes: one checkpoint (Q1), one size (Q2), one point (Q5), one rank
 # per side (Q4: each is a process importing torch), Q6 on tmpfs only (the disk place runs the
 # same code), Q7's second read for its last store only (q7_restore.run). The S3 server is started
