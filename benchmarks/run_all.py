@@ -108,7 +108,8 @@ QUICK_FIRST = ("q7", "q6", "q3", "q4", "q8", "q2", "q1", "q5")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, 3 questions at once")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke mode: tiny sizes, 3 questions at once")
     p.add_argument("--only", default=",".join(QUESTIONS), help="questions to run, e.g. q1,q3")
     p.add_argument("--out", type=Path, default=HERE / "results",
                    help="where run_all[.quick].json/.png go")
