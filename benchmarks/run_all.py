@@ -1,9 +1,9 @@
 """Does the two-stage promise hold against the alternatives? One command, one run, side by side.
 
 Runs the questions of benchmarks/README.md ("run_all.py"), one module each in
-benchmarks/questions/, starting what they need (moto on 127.0.0.1, ckptfs / nullfs / rclone
-mounts, a bandwidth-limited store), then prints one markdown table of figures and ratios and
-writes to --out (default benchmarks/results/):
+benchmarks/questions/, starting what they need (one SeaweedFS S3 server on 127.0.0.1 shared by
+every question, ckptfs / nullfs / rclone mounts, a bandwidth-limited store), then prints one
+markdown table of figures and ratios and writes to --out (default benchmarks/results/):
 
   run_all.json   every raw number, the options and the machine
   run_all.png    one panel per question (matplotlib)
@@ -27,8 +27,10 @@ writes to --out (default benchmarks/results/):
      remount time and the longest answer to a probe at 1k/10k/100k files, during a 1 GiB
      fsync; store requests per node in a simulated cluster    (questions/q8_responsiveness.py)
 
-Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode (tiny sizes,
-about two minutes on 2 cores) that CI runs so that the scripts do not rot; its numbers mean little.
+Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode that CI runs so
+that the scripts do not rot (tiny sizes, one round, each question's code run once but not every
+repetition of it: see QUICK below; ~90-110 CPU-seconds in all, 1.7-3 min on this shared
+2-CPU machine under other sessions' load); its numbers mean little.
 
 Usage::
 
@@ -49,6 +51,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +80,36 @@ def str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+# --quick: every question's code once, at the least that runs it. Most of the time is fixed
+# cost (a ckptfs mount is ~2.5 s and 1.7-2.6 CPU-s: two interpreter starts), so besides tiny sizes
+# it cuts mounts and processes: one checkpoint (Q1), one size (Q2), one point (Q5), one rank
+# per side (Q4: each is a process importing torch), Q6 on tmpfs only (the disk place runs the
+# same code), Q7's second read for its last store only (q7_restore.run). The S3 server is started
+# once and shared, as in a full run.
+QUICK: dict[str, Any] = {
+    "q1_mib": 32, "ckpts": 1, "every": 1, "step_s": 0.05,
+    "q2_sizes": [8], "q2_torch_mib": 16, "q2_reps": 1, "q2_chunks_kib": [1024],
+    "q3_mib": 16, "q3_files": 2, "q3_torch_mib": 16, "q3_reps": 1,
+    "q4_mib": 8, "q4_ranks": [1, 1],
+    "q5_sizes": [16], "q5_files": [1], "q5_files_mib": 16, "q5_store": "s3",
+    "q6_places": ["tmpfs"], "q6_ranks": [2], "q6_mib": 8, "q6_disk_mib": 8,
+    "q6_torch_mib": 16, "q6_fault_mib": 8, "q6_repeat": 1,
+    "q7_mib": 16, "q7_files": 2, "q7_reps": 1, "q7_restore_reps": 1,
+    "q8_files": [200], "q8_batch": 50, "q8_fsync_mib": 16, "q8_sim_nodes": [4],
+    "q8_sim_idle": 30.0,
+}
+
+
+# --quick runs this many questions at once, the longest first (see main).
+QUICK_CONCURRENCY = 3
+QUICK_FIRST = ("q7", "q6", "q3", "q4", "q8", "q2", "q1", "q5")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke mode: tiny sizes, ~2 min")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke mode: tiny sizes, 3 questions at once")
     p.add_argument("--only", default=",".join(QUESTIONS), help="questions to run, e.g. q1,q3")
     p.add_argument("--out", type=Path, default=HERE / "results",
                    help="where run_all[.quick].json/.png go")
@@ -127,7 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q5-files", type=int_list, help="Q5 files per checkpoint [1,4,16,32]")
     g.add_argument("--q5-files-mib", type=int, help="Q5 checkpoint size of the files sweep [1024]")
     g.add_argument("--q5-store", choices=("file", "s3"),
-                   help="Q5 warm tier: a directory, or S3 on moto (files > 1 GiB skipped) [file]")
+                   help="Q5 warm tier: a directory, or S3 on SeaweedFS [file]")
     g.add_argument("--q6-places", type=str_list, help="Q6 places: tmpfs (/dev/shm), disk "
                    "(the work dir or --q6-disk-dir) [tmpfs,disk]")
     g.add_argument("--q6-ranks", type=int_list, help="Q6 ranks writing at once [1,4]")
@@ -184,17 +213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "q7_mib": 2048, "q7_files": 4, "q7_reps": 3, "q7_restore_reps": 3,
             "q8_files": [1000, 10000, 100000], "q8_batch": 1000, "q8_fsync_mib": 1024,
             "q8_sim_nodes": [64, 256, 1000], "q8_sim_idle": 600.0}
-    quick = {"q1_mib": 32, "ckpts": 2, "every": 2, "step_s": 0.2,
-             "q2_sizes": [8, 32], "q2_torch_mib": 16, "q2_reps": 1, "q2_chunks_kib": [1024],
-             "q3_mib": 32, "q3_files": 4, "q3_torch_mib": 16, "q3_reps": 1,
-             "q4_mib": 8, "q4_ranks": [2, 1],
-             "q5_sizes": [16], "q5_files": [1, 4], "q5_files_mib": 16, "q5_store": "s3",
-             "q6_places": ["tmpfs", "disk"], "q6_ranks": [2], "q6_mib": 16, "q6_disk_mib": 16,
-             "q6_torch_mib": 16, "q6_fault_mib": 16, "q6_repeat": 1,
-             "q7_mib": 64, "q7_files": 4, "q7_reps": 1, "q7_restore_reps": 1,
-             "q8_files": [300], "q8_batch": 100, "q8_fsync_mib": 16, "q8_sim_nodes": [8],
-             "q8_sim_idle": 60.0}
-    for key, value in (quick if a.quick else full).items():
+    for key, value in (QUICK if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
     if a.q7_files < 1 or a.q7_mib < a.q7_files:
@@ -210,7 +229,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def print_table(results: dict[str, Any], info: dict[str, Any], quick: bool) -> str:
-    head = (f"## ckptfs benchmarks ({'quick' if quick else 'full'}), {info['date']}, "
+    what = (f"quick: {QUICK_CONCURRENCY} questions at once, figures disturb each other"
+            if quick else "full")
+    head = (f"## ckptfs benchmarks ({what}), {info['date']}, "
             f"{info['nproc']} CPUs, {info['mem_gib']} GiB RAM, load avg at start "
             f"{info['loadavg_start'][0]:.2f}")
     lines = [head, "",
@@ -276,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from questions import common
 
     common.CKPTFS_SRC = args.ckptfs_src.resolve()
+    common.control()  # import ckptfs.client from there now, before any question's thread
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ckptfs-run-all-", dir=args.workdir))
@@ -288,29 +310,45 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
-    results: dict[str, Any] = {}
-    modules: dict[str, Any] = {}
+    modules = {q: importlib.import_module(QUESTIONS[q]) for q in args.only}
     bench = Bench(work, args.quick, args)
+    done: dict[str, Any] = {}
+
+    def run_one(q: str) -> None:
+        t0, busy0, load0 = time.perf_counter(), machine_busy_s(), os.getloadavg()[0]
+        try:
+            found = modules[q].run(bench)
+        except Exception:  # noqa: BLE001 (one broken question must not hide the rest)
+            traceback.print_exc()
+            found = {"error": traceback.format_exc()}
+        wall = time.perf_counter() - t0
+        # Noise gauge: CPUs busy on the whole machine (ours included) while it ran.
+        busy = (machine_busy_s() - busy0) / wall
+        found.update(wall_s=wall, machine_cpus_busy=round(busy, 2),
+                     loadavg_1m=(round(load0, 2), round(os.getloadavg()[0], 2)))
+        done[q] = found
+        log(f"{q} done in {wall:.1f} s (machine: {busy:.2f} CPUs busy on average)")
+
     t_all = time.perf_counter()
     try:
         with bench.stack:
-            for q in args.only:
-                modules[q] = importlib.import_module(QUESTIONS[q])
-                t0, busy0, load0 = time.perf_counter(), machine_busy_s(), os.getloadavg()[0]
-                try:
-                    results[q] = modules[q].run(bench)
-                except Exception:  # noqa: BLE001 (one broken question must not hide the rest)
-                    traceback.print_exc()
-                    results[q] = {"error": traceback.format_exc()}
-                wall = time.perf_counter() - t0
-                # Noise gauge: CPUs busy on the whole machine (ours included) while it ran.
-                busy = (machine_busy_s() - busy0) / wall
-                results[q].update(wall_s=wall, machine_cpus_busy=round(busy, 2),
-                                  loadavg_1m=(round(load0, 2), round(os.getloadavg()[0], 2)))
-                log(f"{q} done in {wall:.1f} s (machine: {busy:.2f} CPUs busy on average)")
+            if args.quick:
+                # A smoke run is mostly waiting for interpreter starts and mounts, and on a
+                # shared machine each runnable process of ours gets its share of the CPUs:
+                # several questions at once finish sooner. Their figures then disturb each
+                # other (the table says so); a full run measures one question at a time.
+                # A Ctrl-C / SIGTERM reaches this thread only: the questions running finish
+                # (and unmount) before the pool's exit returns.
+                order = sorted(args.only, key=lambda q: QUICK_FIRST.index(q))
+                with ThreadPoolExecutor(QUICK_CONCURRENCY) as pool:
+                    list(pool.map(run_one, order))
+            else:
+                for q in args.only:
+                    run_one(q)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    results = {q: done[q] for q in args.only if q in done}
     info["loadavg_end"] = os.getloadavg()
     info["wall_s"] = time.perf_counter() - t_all
     table = print_table(results, info, args.quick)

@@ -1,9 +1,14 @@
-"""What every question of run_all.py needs: a work dir, moto, ckptfs / nullfs / rclone mounts.
+"""What every question of run_all.py needs: a work dir, an S3 server, ckptfs / nullfs / rclone
+mounts.
 
 Every mount made here is a context manager that unmounts in ``finally`` (``fusermount3 -u``,
 then ``-u -z``), whatever happened inside; every process started here is stopped by its own
-pid. A ``Bench`` holds the shared pieces of one run (work dir, options, the moto server, which
-is started on first use) and an ExitStack that tears them down.
+pid. A ``Bench`` holds the shared pieces of one run (work dir, options, the S3 server, which
+is started on first use and shared by every question) and an ExitStack that tears them down.
+
+S3 is SeaweedFS (``weed mini`` on loopback, started by tests/seaweed.py), a real server. moto,
+which the questions used before 2026-12-03, is gone from here: it copied the whole object for
+every range GET and held multipart objects in memory, so its figures were a mock's.
 
 Nothing here asserts a figure: the questions measure, the runner prints.
 """
@@ -17,9 +22,9 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,9 +41,7 @@ GiB = 1024 * MiB
 MOUNT_TIMEOUT = 60.0
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
-# moto and boto3 want credentials; these are for the loopback server only.
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+# The loopback server has its own keys (SeaweedS3); boto3 still wants a region.
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
@@ -151,73 +154,11 @@ def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-# -- moto -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# moto's ThreadedMotoServer, in a process of its own: in the runner's process it would take
-# the GIL from the writer being timed.
-_MOTO_MAIN = """
-import signal, sys
-from moto.server import ThreadedMotoServer
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
-server.start()
-signal.sigwait({signal.SIGTERM, signal.SIGINT})
-server.stop()
-"""
-
-
-class _Buckets:
-    """Buckets of an S3 server whose ``client()`` the subclass gives."""
-
-    def client(self) -> Any:
-        raise NotImplementedError
-
-    def new_bucket(self, prefix: str = "bench") -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def empty_bucket(self, bucket: str) -> None:
-        """Drop every object (moto keeps them in spooled temp files: free the disk)."""
-        _empty_bucket(self.client(), bucket)
-
-
-@dataclass
-class Moto(_Buckets):
-    endpoint: str
-    proc: subprocess.Popen[bytes]
-
-    def client(self) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                            config=Config(max_pool_connections=32))
-
-    def tier_lines(self) -> list[str]:
-        """The endpoint (and keys) of a ckptfs tier on this server (the environment's dummy
-        keys: moto accepts any)."""
-        return [f'endpoint_url = "{self.endpoint}"']
-
-
-def _empty_bucket(s3: Any, bucket: str) -> None:
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
-
-
 # -- SeaweedFS ------------------------------------------------------------------------------
 
 
 @dataclass
-class SeaweedS3(_Buckets):
+class SeaweedS3:
     """A real S3 server on loopback: SeaweedFS's ``weed mini``, started by the tests' own
     tests/seaweed.py (loopback only, telemetry off, its own ports and temp dir, random keys;
     stopped by ``stop()`` and, should this process die, by the kernel)."""
@@ -228,13 +169,35 @@ class SeaweedS3(_Buckets):
     def endpoint(self) -> str:
         return str(self.server.endpoint)
 
+    @property
+    def access_key(self) -> str:
+        return str(self.server.access_key)
+
+    @property
+    def secret_key(self) -> str:
+        return str(self.server.secret_key)
+
     def client(self) -> Any:
         return self.server.client(max_pool_connections=32)
 
     def tier_lines(self) -> list[str]:
+        """The endpoint and keys of a ckptfs tier on this server."""
         return [f'endpoint_url = "{self.endpoint}"',
-                f'access_key_id = "{self.server.access_key}"',
-                f'secret_access_key = "{self.server.secret_key}"']
+                f'access_key_id = "{self.access_key}"',
+                f'secret_access_key = "{self.secret_key}"']
+
+    def new_bucket(self, prefix: str = "bench") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def empty_bucket(self, bucket: str) -> None:
+        """Drop every object: the server keeps them on the disk of the temp dir."""
+        s3 = self.client()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
 
 
 @contextmanager
@@ -250,36 +213,26 @@ def seaweed_server() -> Iterator[SeaweedS3]:
         server.stop()
 
 
-@contextmanager
-def moto_server() -> Iterator[Moto]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _MOTO_MAIN, str(port)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.1)
-        yield Moto(f"http://127.0.0.1:{port}", proc)
-    finally:
-        stop_process(proc)
+def weed_version() -> str:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.seaweed import weed_binary
+
+    exe = weed_binary()
+    if exe is None:
+        return "unavailable: no weed binary"
+    done = subprocess.run([str(exe), "version"], capture_output=True, text=True, check=False)
+    return (done.stdout.strip().splitlines() or ["?"])[0]
 
 
 # -- ckptfs ---------------------------------------------------------------------------------
 
 
 def ckptfs_config(staging: Path, *, store_dir: Path | None = None,
-                  moto: Moto | SeaweedS3 | None = None,
+                  s3: SeaweedS3 | None = None,
                   bucket: str = "", prefix: str = "run", bandwidth: float | None = None,
                   upload_concurrency: int = 4, extra: str = "", faults: str = "") -> str:
-    """TOML for a mount whose warm tier is a directory or an S3 prefix on ``moto`` (moto or
-    SeaweedFS); ``faults``:
+    """TOML for a mount whose warm tier is a directory or an S3 prefix on ``s3``; ``faults``:
     more FaultConfig items (TOML inline-table syntax, e.g. ``down_file = "/x"``)."""
     lines = [f'staging_dir = "{staging}"', f"upload_concurrency = {upload_concurrency}"]
     if store_dir is not None:
@@ -294,14 +247,24 @@ def ckptfs_config(staging: Path, *, store_dir: Path | None = None,
     if store_dir is not None:
         lines.append(f'url = "{store_dir.as_uri()}"')
     else:
-        assert moto is not None and bucket
-        lines += [f'url = "s3://{bucket}/{prefix}"', *moto.tier_lines()]
+        assert s3 is not None and bucket
+        lines += [f'url = "s3://{bucket}/{prefix}"', *s3.tier_lines()]
     fault_items = [f"bandwidth = {int(bandwidth)}"] if bandwidth else []
     if faults:
         fault_items.append(faults)
     if fault_items:
         lines.append(f"faults = {{ {', '.join(fault_items)} }}")
     return "\n".join(lines) + "\n"
+
+
+def control() -> Any:
+    """``ckptfs.client`` of the package under CKPTFS_SRC, in this process: the mount's control
+    socket without a CLI start (~0.8 CPU-s and ~1 s here) per sync, status or unmount."""
+    if sys.path[0] != str(CKPTFS_SRC):
+        sys.path.insert(0, str(CKPTFS_SRC))
+    from ckptfs import client
+
+    return client
 
 
 @dataclass
@@ -312,14 +275,15 @@ class CkptfsMount:
     pid: int = 0
 
     def sync(self) -> float:
-        """``ckptfs sync``: wait until everything closed so far is committed; seconds."""
+        """What ``ckptfs sync`` does: wait until everything closed so far is committed;
+        seconds."""
         t0 = time.perf_counter()
-        ckptfs("sync", self.path)
+        control().sync(self.path)
         return time.perf_counter() - t0
 
     def wait_committed(self, paths: list[Path], poll: float = 0.02) -> float:
         """Poll ``user.ckptfs.state`` until every path is committed to the warm tier; seconds.
-        Cheaper and finer than ``sync`` (a CLI process start, ~0.5 s here) for timing."""
+        Finer than ``sync`` for timing: no request round trip per progress report."""
         t0 = time.perf_counter()
         for p in paths:
             while os.getxattr(p, "user.ckptfs.state") != b"committed":
@@ -329,25 +293,37 @@ class CkptfsMount:
     def peak_rss(self) -> int:
         return peak_rss_bytes(self.pid)
 
+    def umount(self, wait: bool = True) -> None:
+        """What ``ckptfs umount [--no-wait]`` does, without its CLI start: wait for the
+        uploads (``wait``), ``fusermount3 -u``, wait for the daemon to exit."""
+        if wait and not control().sync(self.path, timeout=600):
+            raise RuntimeError(f"{self.path}: uploads not done within 600 s")
+        subprocess.run(["fusermount3", "-u", str(self.path)], capture_output=True,
+                       check=False)
+        deadline = time.monotonic() + MOUNT_TIMEOUT
+        while Path(f"/proc/{self.pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
 
 @contextmanager
 def ckptfs_mount(base: Path, name: str, config_text: str) -> Iterator[CkptfsMount]:
-    """``ckptfs mount MNT -c CONFIG``; ``umount`` (waits for uploads) then a lazy unmount."""
+    """``ckptfs mount MNT -c CONFIG``; at the end ``CkptfsMount.umount`` (waits for the
+    uploads), or after an error ``ckptfs umount --no-wait``; then a lazy unmount."""
     mnt, staging, cfg = base / f"{name}-mnt", base / f"{name}-staging", base / f"{name}.toml"
     mnt.mkdir(parents=True, exist_ok=True)
     staging.mkdir(parents=True, exist_ok=True)
     cfg.write_text(config_text)
-    failed = True
     try:
         ckptfs("mount", mnt, "-c", cfg, timeout=MOUNT_TIMEOUT * 2)
         info = json.loads(os.getxattr(mnt, "user.ckptfs.daemon"))
-        yield CkptfsMount(mnt, staging, cfg, int(info["pid"]))
-        failed = False
+        m = CkptfsMount(mnt, staging, cfg, int(info["pid"]))
+        yield m
+        if is_mounted(mnt):
+            m.umount()
     finally:
         if is_mounted(mnt):
             # After an error (or Ctrl-C) the store may be what failed: do not wait for it.
-            wait = ["--no-wait"] if failed else ["--timeout", "600"]
-            ckptfs("umount", mnt, *wait, timeout=900, check=False)
+            ckptfs("umount", mnt, "--no-wait", timeout=900, check=False)
         unmount(mnt)
 
 
@@ -415,7 +391,8 @@ def machine() -> dict[str, Any]:
         out["ckptfs_dirty"] = bool(subprocess.run(
             ["git", "status", "--porcelain", "ckptfs"], cwd=REPO, capture_output=True,
             text=True, check=False).stdout.strip())
-    for mod in ("torch", "pyfuse3", "trio", "boto3", "moto"):
+    out["seaweedfs"] = weed_version()
+    for mod in ("torch", "pyfuse3", "trio", "boto3"):
         try:
             out[mod] = importlib.import_module(mod).__version__
         except Exception as exc:  # noqa: BLE001 (a version is nice to have)
@@ -446,9 +423,9 @@ class RcloneMount:
 
 
 @contextmanager
-def rclone_mount(base: Path, name: str, moto: Moto, bucket: str,
+def rclone_mount(base: Path, name: str, s3: SeaweedS3, bucket: str,
                  prefix: str = "rclone", extra: tuple[str, ...] = ()) -> Iterator[RcloneMount]:
-    """``rclone mount`` of an S3 remote on moto (configured by environment variables) with
+    """``rclone mount`` of an S3 remote on ``s3`` (configured by environment variables) with
     ``--vfs-cache-mode writes``: writes land in a local cache dir, uploads follow."""
     exe = rclone_binary()
     if exe is None:
@@ -460,9 +437,9 @@ def rclone_mount(base: Path, name: str, moto: Moto, bucket: str,
                RCLONE_CONFIG="/dev/null",
                RCLONE_CONFIG_BENCHS3_TYPE="s3",
                RCLONE_CONFIG_BENCHS3_PROVIDER="Other",
-               RCLONE_CONFIG_BENCHS3_ENDPOINT=moto.endpoint,
-               RCLONE_CONFIG_BENCHS3_ACCESS_KEY_ID=os.environ["AWS_ACCESS_KEY_ID"],
-               RCLONE_CONFIG_BENCHS3_SECRET_ACCESS_KEY=os.environ["AWS_SECRET_ACCESS_KEY"],
+               RCLONE_CONFIG_BENCHS3_ENDPOINT=s3.endpoint,
+               RCLONE_CONFIG_BENCHS3_ACCESS_KEY_ID=s3.access_key,
+               RCLONE_CONFIG_BENCHS3_SECRET_ACCESS_KEY=s3.secret_key,
                RCLONE_CONFIG_BENCHS3_REGION="us-east-1",
                RCLONE_CONFIG_BENCHS3_FORCE_PATH_STYLE="true")
     log_path = base / f"{name}.log"
@@ -491,22 +468,18 @@ class Bench:
     quick: bool
     opts: Any  # the argparse namespace
     stack: ExitStack = field(default_factory=ExitStack)
-    _moto: Moto | None = None
     _seaweed: SeaweedS3 | None = None
+    # --quick runs questions in threads: the first to ask starts the server, the others wait
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
-    def moto(self) -> Moto:
-        if self._moto is None:
-            log("starting moto (ThreadedMotoServer) on 127.0.0.1")
-            self._moto = self.stack.enter_context(moto_server())
-        return self._moto
-
-    @property
-    def seaweed(self) -> SeaweedS3:
-        if self._seaweed is None:
-            log("starting SeaweedFS (weed mini) on 127.0.0.1")
-            self._seaweed = self.stack.enter_context(seaweed_server())
-        return self._seaweed
+    def s3(self) -> SeaweedS3:
+        """The run's S3 server, started on first use and shared by every question."""
+        with self._lock:
+            if self._seaweed is None:
+                log("starting SeaweedFS (weed mini) on 127.0.0.1")
+                self._seaweed = self.stack.enter_context(seaweed_server())
+            return self._seaweed
 
     def dir(self, name: str) -> Path:
         d = self.work / name

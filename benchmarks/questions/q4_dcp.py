@@ -9,8 +9,9 @@ gloo on CPU, one process per rank (questions/dcp_worker.py), a --q4-mib MiB stat
 DTensors sharded on dim 0. The same 4 processes save to the plain dir, then to ckptfs; after
 ``ckptfs sync`` (a resume comes long after the save) the same 2 processes load from each.
 Reported: the time every rank is blocked in dcp.save / dcp.load (rank 0's clock between
-barriers around the call). ``--q4-ranks 4,2`` is the default; ``--quick`` uses 2,1 (each
-rank is a process that imports torch: 6 of them take ~25 s of a loaded 2-CPU machine).
+barriers around the call). ``--q4-ranks 4,2`` is the default; ``--quick`` uses 1,1 (each
+rank is a process that imports torch, ~2.5 CPU-s: 6 of them took ~25 s of a loaded 2-CPU
+machine).
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ Also, in the first place only:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -58,9 +57,9 @@ from questions.common import (
     Bench,
     CkptfsMount,
     MiB,
-    ckptfs,
     ckptfs_config,
     ckptfs_mount,
+    control,
     log,
     make_state_dict,
     process_cpu,
@@ -96,7 +95,9 @@ def passthrough_missing() -> str:
 
 
 def status(mnt: Path) -> dict[str, Any]:
-    info: dict[str, Any] = json.loads(ckptfs("status", mnt, "--json").stdout)
+    """What ``ckptfs status --json`` prints for the mount (from this process: the settler
+    polls it)."""
+    info: dict[str, Any] = control().status(mnt)
     return info
 
 
