@@ -735,13 +735,13 @@ class Filesystem:
             parent, name, stat.S_IFREG | stat.S_IMODE(mode), caller.uid, caller.gid,
             state=State.OPEN if writable else State.STAGED,
         )
-        self.staging.create_empty(row.ino)
+        fd = self.staging.acquire_new(row.ino)
         self.ns.remember(row.ino)
         if writable:
             self._writers[row.ino] = 1
         else:
             self.listener.inode_changed(row.ino)  # created empty and closed: upload it
-        return self._new_handle(row, self.staging.acquire(row.ino), writable, flags), row
+        return self._new_handle(row, fd, writable, flags), row
 
     def _new_handle(self, row: Row, fd: int, writable: bool, flags: int) -> int:
         fh = self._next_fh

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import operator
 import os
 import sqlite3
 import stat
@@ -713,13 +714,16 @@ def _key(row: Row, path: bytes | None) -> str | None:
     return os.fsdecode(path) + ("/" if stat.S_ISDIR(row.mode) else "")
 
 
+_GET_COLUMNS = operator.attrgetter(*_COLUMNS[1:])
+_STATE_AT = _COLUMNS.index("state") - 1
+_INCOMPLETE_AT = _COLUMNS.index("incomplete") - 1
+
+
 def _values(row: Row) -> tuple[object, ...]:
-    return tuple(_value(getattr(row, c)) for c in _COLUMNS[1:])
-
-
-def _value(value: object) -> object:
-    if isinstance(value, State):
-        return value.value
-    if isinstance(value, bool):
-        return int(value)
-    return value
+    """The columns after ``ino`` as SQLite stores them (every update computes them: one
+    attrgetter, not a generator over 24 getattrs, which was a tenth of a create's CPU)."""
+    values = list(_GET_COLUMNS(row))
+    state = values[_STATE_AT]
+    values[_STATE_AT] = state.value if isinstance(state, State) else state
+    values[_INCOMPLETE_AT] = int(values[_INCOMPLETE_AT])
+    return tuple(values)
