@@ -22,7 +22,7 @@ import pytest
 from tests.mounting import Mount, Mounter, ckptfs, status, sync
 from tests.s3bucket import Bucket, crc
 
-pytestmark = [pytest.mark.mount, pytest.mark.timeout(600), pytest.mark.both_modes]
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(600)]
 
 MiB = 1024 * 1024
 SLOW = 200_000  # bytes per second of the slow node's store: its 4 MiB shard takes ~20 s
@@ -61,6 +61,7 @@ class Watcher:
         return self.seen_with is not None
 
 
+@pytest.mark.both_modes  # what a shard's close records differs (passthrough: fstat at flush)
 def test_a_marker_waits_for_every_nodes_shards_and_for_a_killed_node_to_come_back(
     mounter: Mounter, bucket: Bucket, tmp_path: Path
 ) -> None:
@@ -112,6 +113,7 @@ def test_a_marker_waits_for_every_nodes_shards_and_for_a_killed_node_to_come_bac
         sync(m)
 
 
+# One mode: forgetting a node is the registry's business, not the data path's.
 def test_a_dead_node_can_be_forgotten(mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
     fast = bucket.config(tmp_path / "fast.toml", node_poll_interval="0.2s")
     slow = bucket.config(tmp_path / "slow.toml", node_poll_interval="0.2s",
