@@ -189,10 +189,10 @@ def load_single_process(ckpt: Path, seed: int) -> None:
 # 1. torch.save / torch.load of about 1 GiB
 
 
-def make_big_state_dict(seed: int) -> dict[str, Any]:
-    """About 1 GiB: a few large tensors of several dtypes, small ones, views and plain values."""
+def make_big_state_dict(seed: int, n: int = 8192) -> dict[str, Any]:
+    """About 1 GiB (n = 8192; the size goes as n**2): a few large tensors of several dtypes,
+    small ones, views and plain values."""
     g = torch.Generator().manual_seed(seed)
-    n = 8192
     embed = torch.randn(n, n, generator=g)  # 256 MiB, float32
     sd: dict[str, Any] = {
         "model.embed.weight": embed,
