@@ -102,8 +102,9 @@ class Bucket:
             self.client.abort_multipart_upload(Bucket=self.name, Key=u["Key"],
                                                UploadId=u["UploadId"])
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name):
-            for obj in page.get("Contents", []):
-                self.client.delete_object(Bucket=self.name, Key=obj["Key"])
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            if keys:  # a page is at most 1,000 keys, what one delete_objects takes
+                self.client.delete_objects(Bucket=self.name, Delete={"Objects": keys})
         self.client.delete_bucket(Bucket=self.name)
 
 
