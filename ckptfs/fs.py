@@ -11,6 +11,12 @@ Invariants:
 - Metadata a caller could observe after an operation returns is committed to the journal
   before it returns; size/mtime from write() are persisted at flush/fsync/release.
 - fsync() makes data and journal durable on local disk (a real fsync of both).
+- A COMMITTED row has its whole data file while the daemon runs; only a power loss in the
+  middle of an eviction can break that (``_mark_evicted``), and ``start`` repairs it (the
+  row becomes REMOTE: its committed copy is in the store).
+- Nothing on the trio thread waits for an unlink of data or a journal fsync for eviction:
+  they run in worker threads (``evict_async``, big removed files in ``_drop_data``), and
+  their space counts as used until they returned.
 - Raises domain exceptions (errors.py) or OSError from the staging filesystem, never an errno.
 """
 
@@ -909,13 +915,13 @@ class Filesystem:
                     if self.space.try_take(nbytes):
                         return
                     self._log_stall(nbytes)
-                    # hurry() wakes every waiter: two writers waiting here, each hurrying at
-                    # each wake-up, would wake each other forever without a pause.
                     if self._frees_in_flight:
                         # An eviction or a removal is unlinking: its space comes back when it
                         # returns, which is no upload progress.
                         await self._space_freed.park()
                         continue
+                    # hurry() wakes every waiter: two writers waiting here, each hurrying at
+                    # each wake-up, would wake each other forever without a pause.
                     if trio.current_time() - hurried >= HURRY_EVERY:
                         hurried = trio.current_time()
                         self.listener.hurry()
