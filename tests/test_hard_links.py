@@ -286,6 +286,21 @@ async def test_rename_over_the_first_name_before_the_other_is_uploaded(
     assert rig.fs.getattr(old).remote_key == "b"
 
 
+async def test_a_new_name_that_is_a_commit_marker_waits_for_earlier_files(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``ln pointer latest``: ``latest`` is a marker; its object is put only after every
+    file closed before the link has reached the store."""
+    rig.tier.latency = 1.0
+    await rig.write("step_1/shard", b"s" * 1000)
+    await rig.write("pointer", b"step_1")
+    await _link(rig, "pointer", "latest")
+    await rig.settle()
+    starts = {key: t for what, key, t in rig.tier.events if what == "start"}
+    ends = {key: t for what, key, t in rig.tier.events if what == "end"}
+    assert starts["latest"] >= max(ends["step_1/shard"], ends["pointer"])
+    assert _data_files(rig)["latest"] == b"step_1"
+
+
 async def test_rename_between_two_names_of_one_file_does_nothing(
         rig: Rig, autojump_clock: trio.abc.Clock) -> None:
     ino = await rig.write("a", b"x")
