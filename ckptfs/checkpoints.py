@@ -481,7 +481,7 @@ def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile],
         # listed, not when it was committed.
         committed = row.committed_at if row.closed_at is not None else None
         out.append(LocalFile(key, row.ino, row.size, row.state, row.incomplete, committed,
-                             row.checksum, rows_of.open_count(row.ino) > 0,
+                             row.checksum, rows_of.open_count(row.link_of or row.ino) > 0,
                              row.mtime_ns / 1e9 if row.mtime_ns else None, row.closed_at))
     elif stat.S_ISDIR(row.mode):
         for child in rows_of.children(row.ino, 0):

@@ -18,6 +18,11 @@ Invariants:
   they run in worker threads (``evict_async``, big removed files in ``_drop_data``), and
   their space counts as used until they returned.
 - Raises domain exceptions (errors.py) or OSError from the staging filesystem, never an errno.
+- Hard links (namespace.py, docs/HARD_LINKS.md): handles, writers and the staging file are the
+  head's (the kernel row). Every change of the bytes or the metadata is made to every name
+  row of the file at once (``_names``): each name's object is uploaded again, never one name
+  with bytes of a version another is still writing. The bytes leave NVMe only when every
+  name's object holds them (``evictable``), so an alias to upload always finds them here.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from ckptfs.errors import (
+    AlreadyExists,
     BadHandle,
     ChecksumMismatch,
     InvalidArgument,
     IsADirectory,
     NeedsRestore,
     NoSuchAttribute,
+    NotADirectory,
     NotFound,
     NotPermitted,
     ObjectGone,
@@ -263,7 +270,7 @@ class Filesystem:
                 if row.closed_at is not None and not row.incomplete:
                     # Closed (flushed by its last writer) just before the crash: staged, unless
                     # its data is not what the close recorded (a power loss took pages).
-                    if self.staging.file_size(row.ino) == row.size:
+                    if self.staging.file_size(self._data_ino(row)) == row.size:
                         row.state = State.STAGED
                         self.journal.update(row)
                     else:
@@ -272,7 +279,7 @@ class Filesystem:
                 if not row.incomplete:
                     self._mark_incomplete(row, "its writer never closed it")
             for row in self.journal.rows_in_states(State.UPLOADING, State.STAGED):
-                actual = self.staging.file_size(row.ino)
+                actual = self.staging.file_size(self._data_ino(row))
                 if actual is None or actual < row.size:
                     # A power loss took its tail: an upload would fail at every attempt.
                     self._mark_incomplete(row, "its data is shorter than its close recorded")
@@ -299,7 +306,7 @@ class Filesystem:
         """Replay found a file that must never be published as it is: incomplete, OPEN (as a
         file whose writer died is), listed by ``status``, kept at what is left of it, until
         it is written again or removed. Caller holds a transaction."""
-        actual = self.staging.file_size(row.ino)
+        actual = self.staging.file_size(self._data_ino(row))
         row.state = State.OPEN
         row.incomplete = True
         row.size = actual if actual is not None else 0
@@ -324,6 +331,8 @@ class Filesystem:
         Caller holds a transaction.
         """
         for row in self.journal.rows_in_states(State.COMMITTED):
+            if row.link_of is not None:
+                continue  # its bytes are the head's, checked as the head's row
             actual = self.staging.file_size(row.ino)
             if actual is not None and actual >= row.size:
                 if not verify or not (row.checksum or "").startswith("crc32c:") \
@@ -389,14 +398,24 @@ class Filesystem:
         row.remote_key = None
         row.tiers = ""
         if stat.S_ISREG(row.mode):
-            self._mark_staged(row)
+            self._stage(row)  # this name's object: the others are where they were
         else:
             row.state = State.STAGED
             self.listener.inode_changed(row.ino)
         self.ns.persist(row)
 
     def _busy(self, ino: int) -> bool:
+        ino = self.ns.kernel_ino(ino)
         return bool(self.ns.open_count(ino) or self._writers.get(ino))
+
+    @staticmethod
+    def _data_ino(row: Row) -> int:
+        """Whose staging file holds the bytes of the name row ``row`` (an alias: its head's)."""
+        return row.ino if row.link_of is None else row.link_of
+
+    def _names(self, row: Row) -> list[Row]:
+        """Every name row of the kernel row ``row``: itself and its aliases (hard links)."""
+        return [row, *self.ns.aliases(row.ino)]
 
     def is_open(self, ino: int) -> bool:
         """Whether a handle (reading or writing) is open on the file now (retention checks
@@ -484,13 +503,15 @@ class Filesystem:
         """Mode, owner or mtime changed: the remote copy's metadata must follow."""
         if self._writers.get(row.ino) or row.incomplete or row.state is State.OPEN:
             return  # the close to come uploads it all
-        if row.state in (State.COMMITTED, State.UPLOADING):
-            if stat.S_ISREG(row.mode):
-                self.listener.cancel(row.ino)
-                self._mark_staged(row)
+        for name in self._names(row):  # each name's object carries the metadata
+            if name.state not in (State.COMMITTED, State.UPLOADING):
+                continue
+            if stat.S_ISREG(name.mode):
+                self.listener.cancel(name.ino)
+                self._stage(name)
             else:
-                row.state = State.STAGED
-                self.listener.inode_changed(row.ino)
+                name.state = State.STAGED
+                self.listener.inode_changed(name.ino)
 
     def readlink(self, ino: int) -> bytes:
         row = self.ns.get(ino)
@@ -558,8 +579,25 @@ class Filesystem:
         self.listener.inode_changed(row.ino)
         return row
 
-    def link(self, ino: int, parent: int, name: bytes) -> Row:
-        raise NotPermitted("hard links are not supported")
+    async def link(self, ino: int, parent: int, name: bytes) -> Row:
+        """A new name for a regular file (docs/HARD_LINKS.md): an alias row, uploaded as a
+        file of its own. A file known only from the store is fetched first: the new name's
+        object is put from the local bytes, as every upload is."""
+        row = self.ns.get(ino)
+        if not stat.S_ISREG(row.mode):
+            raise NotPermitted("hard links of directories, symlinks and special files")
+        if row.parent is None:
+            raise NotFound(f"inode {ino} has no name left")
+        await self._ensure_local(row)
+        row = self.ns.get(ino)
+        if row.state is State.REMOTE:
+            raise StoreUnavailable(f"inode {ino}: its bytes could not be made local")
+        self._unhide(parent, name)
+        alias = self.ns.link(row, parent, name)
+        if alias.state is State.STAGED:
+            self.listener.inode_changed(alias.ino)
+        self.ns.remember(row.ino)
+        return row
 
     async def unlink(self, parent: int, name: bytes) -> None:
         await self._remove(parent, name, directory=False)
@@ -576,6 +614,14 @@ class Filesystem:
                     and row.remote_key:
                 raise StoreUnavailable(f"cannot list {row.remote_key} to see that it is empty")
             row = self.ns.lookup(parent, name)
+        name_row = self.ns.entry(parent, name)
+        if self.ns.is_linked(name_row):
+            if directory:
+                raise NotADirectory(name.decode(errors="replace"))
+            with self.journal.transaction():
+                notify = self._drop_name(name_row)
+            notify()
+            return
         keys = self._remote_keys(row)
         with self.journal.transaction():
             self.ns.unlink(parent, name, directory=directory)
@@ -603,6 +649,44 @@ class Filesystem:
             # work on the same key, and skips a key a live entry has committed to since).
             keys.add(os.fsdecode(path) + ("/" if stat.S_ISDIR(row.mode) else ""))
         return sorted(keys)
+
+    def _drop_name(self, name: Row, keep: str | None = None) -> Callable[[], None]:
+        """Remove the name row ``name`` of a file with several names, in the caller's
+        transaction; returns what to tell the uploader once it is committed.
+
+        An alias: its keys are tombstoned (but ``keep``, the key a rename over it is about
+        to write). The head's own name: the head takes the name of its first alias
+        (namespace.py ``succession``). If it adopts that alias's object, the head's old keys
+        are tombstoned and nothing is copied; otherwise the head is carried to the alias's
+        key as a renamed file is (a move, or an upload of the local copy: a remote head has
+        every alias committed, so it adopts unless the alias's own move is still to come),
+        the alias's key is not tombstoned: the head's copy overwrites it.
+        """
+        succession = self.ns.succession(name)
+        keys = set(self._remote_keys(name))
+        if succession is not None and not succession[1]:
+            # Tombstones of keys the head still holds are harmless: a deletion skips a key
+            # with an owner (keys.py), and the head's move retires its old key itself.
+            heir_path = self.journal.path_of(succession[0].ino)
+            keys |= set(self._remote_keys(succession[0]))
+            keys.discard(os.fsdecode(heir_path or b""))
+        hidden = set() if self.unlink_remote else {name.remote_key, name.uploading_key} - {None}
+        self.ns.remove_name(name)
+        tombs = [(self.journal.add_tombstone(k), k) for k in sorted(keys) if k != keep]
+        for key in hidden:
+            assert key is not None
+            self.journal.hide(key)
+
+        def notify() -> None:
+            if succession is None:
+                self.listener.cancel(name.ino)
+            else:
+                self.listener.cancel(succession[0].ino)
+                if not succession[1]:
+                    self.listener.inode_changed(name.ino)  # to its new key
+            for tomb_id, key in tombs:
+                self.listener.tombstone_added(tomb_id, key)
+        return notify
 
     def _forget_remote(self, row: Row, tombs: list[tuple[int, str]]) -> None:
         self.listener.cancel(row.ino)
@@ -648,6 +732,18 @@ class Filesystem:
                 dst = None
         self._unhide(new_parent, new_name)
         exchange = bool(flags & RENAME_EXCHANGE)
+        dst_name = self._entry_or_none(new_parent, new_name)
+        src_name = self.ns.entry(old_parent, old_name)
+        linked_dst = dst_name is not None and not exchange and self.ns.is_linked(dst_name) \
+            and self.ns.kernel(dst_name).ino != self.ns.kernel(src_name).ino
+        if linked_dst:
+            # Only a name goes (_drop_name), before the move: check first what would refuse
+            # the move, so that nothing is removed for a rename that fails.
+            if flags & RENAME_NOREPLACE:
+                raise AlreadyExists(new_name.decode(errors="replace"))
+            if stat.S_ISDIR(src.mode):
+                raise NotADirectory(new_name.decode(errors="replace"))
+            dst = None
         replaced_keys = self._remote_keys(dst) if dst is not None and not exchange else []
         if dst is not None and not exchange:
             # The moved file goes to exactly that key and overwrites it there: deleting it
@@ -657,7 +753,12 @@ class Filesystem:
                              if not dst_path or k.rstrip("/") != os.fsdecode(dst_path)]
         old_path = self.journal.path_of(src.ino) if stat.S_ISDIR(src.mode) else None
         sweep = None
+        dropped: Callable[[], None] | None = None
         with self.journal.transaction():
+            if linked_dst:
+                assert dst_name is not None
+                target = self.journal.path_of(dst_name.ino)
+                dropped = self._drop_name(dst_name, keep=os.fsdecode(target or b""))
             moved, replaced = self.ns.rename(
                 old_parent, old_name, new_parent, new_name,
                 noreplace=bool(flags & RENAME_NOREPLACE), exchange=exchange,
@@ -670,6 +771,8 @@ class Filesystem:
                 # are moved after every node has committed them (upload.py ``_sweep``).
                 sweep = self.journal.add_sweep(os.fsdecode(old_path) + "/",
                                                os.fsdecode(new_path) + "/")
+        if dropped is not None:
+            dropped()
         if sweep is not None:
             self.listener.sweep_added(sweep)  # numbered before the tree's markers
         if replaced is not None and not exchange:
@@ -686,6 +789,12 @@ class Filesystem:
                 self.listener.tree_moved(self.journal.descendants(row.ino) + [row.ino])
             else:
                 self.listener.inode_changed(row.ino)
+
+    def _entry_or_none(self, parent: int, name: bytes) -> Row | None:
+        try:
+            return self.ns.entry(parent, name)
+        except NotFound:
+            return None
 
     async def readdir(self, ino: int, after: int) -> Iterator[Row]:
         """Entries after the cursor ``after`` (0 = start); each row's ino is the next cursor."""
@@ -777,9 +886,10 @@ class Filesystem:
         self._writers[row.ino] = count + 1
         if count == 0:
             self._modify_data(row)
-            row.state = State.OPEN
-            row.incomplete = False
-            row.closed_at = None
+            for name in self._names(row):
+                name.state = State.OPEN
+                name.incomplete = False
+                name.closed_at = None
             self.ns.persist(row)
 
     def _end_write(self, row: Row) -> None:
@@ -792,17 +902,26 @@ class Filesystem:
         self.ns.persist(row)
 
     def _modify_data(self, row: Row) -> None:
-        """The bytes are about to change: a new version, no longer committed anywhere."""
-        self.listener.cancel(row.ino)
+        """The bytes are about to change: a new version, no longer committed anywhere (under
+        any of its names)."""
         if self.fetcher is not None:
             self.fetcher.forget(row.ino)  # no fetch of the old version may land in it
-        row.version += 1
-        row.checksum = None
-        row.tiers = ""
-        row.committed_at = None
+        version = row.version + 1
+        for name in self._names(row):
+            self.listener.cancel(name.ino)
+            name.version = version
+            name.checksum = None
+            name.tiers = ""
+            name.committed_at = None
 
     def _mark_staged(self, row: Row) -> None:
-        """Closed: ready for upload (the caller persists the row before its next await)."""
+        """Closed: every name ready for upload (the caller persists the row before its next
+        await)."""
+        for name in self._names(row):
+            self._stage(name)
+
+    def _stage(self, row: Row) -> None:
+        """One name row ready for upload."""
         row.state = State.STAGED
         row.incomplete = False
         row.closed_at = time.time()
@@ -969,7 +1088,8 @@ class Filesystem:
                 break
             cached = self.ns.get(row.ino)
             if cached.state is not State.COMMITTED or self.ns.open_count(row.ino) \
-                    or self._writers.get(row.ino) or cached.remote_key is None:
+                    or self._writers.get(row.ino) or cached.remote_key is None \
+                    or not self.evictable(cached):
                 continue
             victims.append(cached)
             freed += cached.size
@@ -994,7 +1114,9 @@ class Filesystem:
         Blocking on the disk (the journal's fsync, the unlinks): for callers that cannot
         wait (a passthrough writer's reservation, ``ckptfs evict --staging``); the daemon's
         other callers use ``evict_async``."""
-        trashed = self._mark_evicted(rows)
+        rows, trashed = self._mark_evicted(rows)
+        if not rows:
+            return
         self.journal.make_durable()
         self.staging.remove_trashed(trashed)
         for row in rows:
@@ -1006,7 +1128,7 @@ class Filesystem:
         meanwhile (the unlink of a multi-GB file takes tens of milliseconds on ext4). The
         space is given back only once the unlinks returned, when the disk has it: a writer
         woken earlier would meet a real ENOSPC."""
-        trashed = self._mark_evicted(rows)
+        rows, trashed = self._mark_evicted(rows)
         if not rows:
             return
 
@@ -1034,10 +1156,11 @@ class Filesystem:
             self._frees_in_flight -= 1
             self._space_freed.unpark_all()
 
-    def _mark_evicted(self, rows: tuple[Row, ...]) -> list[Path]:
-        """The first, synchronous half of an eviction: the rows become REMOTE in one journal
-        transaction and their data files move into the staging's trash at once (a rename),
-        so a read that faults the file in meanwhile writes to a new data file.
+    def _mark_evicted(self, rows: tuple[Row, ...]) -> tuple[tuple[Row, ...], list[Path]]:
+        """The first, synchronous half of an eviction: the rows that may go (``evictable``)
+        become REMOTE in one journal transaction and their data files move into the staging's
+        trash at once (a rename), so a read that faults the file in meanwhile writes to a new
+        data file. Returns those rows and where their data files went.
 
         Order and crashes: the REMOTE rows are committed before the renames and made durable
         before the unlinks. A power loss can still keep a rename and lose the REMOTE (the
@@ -1048,15 +1171,26 @@ class Filesystem:
         files in the trash. The journal goes first so that a crash of the process alone (the
         kernel keeps both the commit and the renames) never needs that repair.
         """
+        rows = tuple(row for row in rows if self.evictable(row))
         if not rows:
-            return []
+            return rows, []
         with self.journal.transaction():
             for row in rows:
                 if self.fetcher is not None:
                     self.fetcher.reset(row.ino)  # a new generation: no late fetch lands in it
                 row.state = State.REMOTE
                 self.ns.persist(row)
-        return [path for row in rows if (path := self.staging.discard(row.ino)) is not None]
+        return rows, [path for row in rows
+                      if (path := self.staging.discard(row.ino)) is not None]
+
+    def evictable(self, row: Row) -> bool:
+        """Whether the local bytes of ``row`` may go as far as its names are concerned: an
+        alias has none of its own; a head's go only when every alias's object holds them
+        (else an alias still to upload would find nothing to upload)."""
+        if row.link_of is not None:
+            return False
+        return all(alias.state is State.COMMITTED and alias.version == row.version
+                   and alias.checksum == row.checksum for alias in self.ns.aliases(row.ino))
 
     async def evict_tree(self, ino: int) -> tuple[int, int, list[str]]:
         """``ckptfs evict PATH``: drop local copies of committed files at or under ``ino``.
@@ -1068,11 +1202,14 @@ class Filesystem:
         victims: list[Row] = []
         for each in [ino, *self.journal.descendants(ino)]:
             row = self.ns.get(each)
-            if not stat.S_ISREG(row.mode):
-                continue
+            if not stat.S_ISREG(row.mode) or row.link_of is not None:
+                continue  # an alias's bytes are its head's, decided with the head
             path = os.fsdecode(self.journal.path_of(each) or b"?")
             if self._busy(each):
                 kept.append(f"{path}: open")
+            elif row.state is State.COMMITTED and row.remote_key is not None \
+                    and not self.evictable(row):
+                kept.append(f"{path}: another name of it is not committed to the store yet")
             elif row.state is State.COMMITTED and row.remote_key is not None:
                 victims.append(row)
                 evicted, freed = evicted + 1, freed + row.size
@@ -1230,12 +1367,16 @@ class Filesystem:
         handle = self._handle(fh)
         row = self.ns.get(handle.ino)
         if handle.writable and self._writers.get(handle.ino) == 1 and row.state is State.OPEN:
-            row.closed_at = time.time()
+            names = self._names(row)
+            now = time.time()
+            for name in names:
+                name.closed_at = now
             self.ns.persist(row)
             # close(2) returns now; RELEASE (which stages the file) may come later. The file
             # takes its place in the upload order here, so that a marker closed after this
             # returns, on any node, waits for it.
-            self.listener.closed(row.ino)
+            for name in names:
+                self.listener.closed(name.ino)
         elif self.ns.is_dirty(handle.ino):
             self.ns.persist(row)
 

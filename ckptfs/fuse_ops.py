@@ -57,7 +57,8 @@ def _translate_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def entry_attributes(row: Row, timeout: float = ATTR_TIMEOUT) -> pyfuse3.EntryAttributes:
+def entry_attributes(row: Row, timeout: float = ATTR_TIMEOUT,
+                     nlink: int | None = None) -> pyfuse3.EntryAttributes:
     entry = pyfuse3.EntryAttributes()
     entry.st_ino = row.ino
     entry.generation = 0
@@ -65,7 +66,9 @@ def entry_attributes(row: Row, timeout: float = ATTR_TIMEOUT) -> pyfuse3.EntryAt
     entry.attr_timeout = timeout
     entry.st_mode = row.mode
     # Directories report 1 like btrfs: "unknown number of subdirectories" to find(1).
-    entry.st_nlink = 0 if row.parent is None and row.ino != ROOT_INODE else 1
+    if nlink is None:
+        nlink = 0 if row.parent is None and row.ino != ROOT_INODE else 1
+    entry.st_nlink = nlink
     entry.st_uid = row.uid
     entry.st_gid = row.gid
     entry.st_rdev = row.rdev
@@ -111,7 +114,7 @@ class FuseOps(pyfuse3.Operations):
 
     def _entry(self, row: Row) -> pyfuse3.EntryAttributes:
         self.passthrough.refresh(row.ino)  # the kernel must not learn an old size
-        return entry_attributes(row, self.attr_timeout)
+        return entry_attributes(row, self.attr_timeout, self.fs.ns.nlink(row))
 
     @_translate_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
@@ -175,7 +178,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> Any:
-        return self._entry(self.fs.link(inode, new_parent_inode, new_name))
+        return self._entry(await self.fs.link(inode, new_parent_inode, new_name))
 
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
@@ -250,10 +253,13 @@ class FuseOps(pyfuse3.Operations):
             start_id = 2
         for row in await self.fs.readdir(fh, start_id - 2):
             assert row.name is not None
-            if not pyfuse3.readdir_reply(token, row.name, self._entry(row), row.ino + 2):
+            # The cursor is the name row's (stable order); the inode is the kernel's (the
+            # head of a hard link's extra name).
+            inode = self.fs.ns.kernel(row)
+            if not pyfuse3.readdir_reply(token, row.name, self._entry(inode), row.ino + 2):
                 return
             # readdirplus gave the kernel a reference ("." and ".." excepted).
-            self.fs.remember(row.ino)
+            self.fs.remember(inode.ino)
 
     @_translate_errors
     async def releasedir(self, fh: int) -> None:

@@ -23,6 +23,16 @@ Invariants:
   crash; ``make_durable()`` (called by fsync) makes them survive a power loss too.
 - Rows whose ``parent`` is NULL (other than the root) are unlinked inodes that were still open;
   they are purged at the next start.
+
+Hard links (schema 4; docs/HARD_LINKS.md): every name of a file is a row. The first is the
+*head*: the inode the kernel knows, with the staging file ``data/<head>``, fetched ranges,
+xattrs and attributes. Each extra name is an *alias* row (``link_of`` = the head): its own
+``(parent, name)`` and its own object in the store (state, ``remote_key``, ``uploading_key``,
+tag, checksum of what is at its key), so every key still has at most one owner row and the
+store-facing modules treat each name as a file. An alias has no staging file, no ranges and
+no xattrs; it mirrors the head's mode, owner, size, times and version (namespace.py writes
+them in the head's transaction). Aliases point at a head, never at another alias, and only
+regular files have them.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from ckptfs.errors import JournalCorrupt
 from ckptfs.walcheckpoint import WalCheckpointer
 
 ROOT_INODE = 1
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class State(enum.StrEnum):
@@ -93,6 +103,9 @@ class Row:
     remote_etag: str | None = None
     # The device number of a character or block device node (st_rdev); 0 for anything else.
     rdev: int = 0
+    # A hard link's extra name (an *alias*): the inode (the *head*) whose bytes and attributes
+    # this name shares. None for every other row. See "Hard links" in the module docstring.
+    link_of: int | None = None
 
 
 _COLUMNS = tuple(f.name for f in fields(Row))
@@ -129,6 +142,7 @@ CREATE TABLE IF NOT EXISTS inodes (
     storage_class TEXT,
     remote_etag  TEXT,
     rdev         INTEGER NOT NULL DEFAULT 0,
+    link_of      INTEGER,
     UNIQUE (parent, name)
 );
 CREATE INDEX IF NOT EXISTS inodes_remote_key ON inodes (remote_key);
@@ -203,7 +217,7 @@ class Journal:
                 "INSERT INTO meta VALUES ('schema', ?), ('created', ?)",
                 (str(SCHEMA_VERSION), str(time.time())),
             )
-        elif int(found[0]) in (1, 2):
+        elif int(found[0]) in (1, 2, 3):
             # Each step adds what its version brought (the new tables come from the schema
             # script); one transaction, so a crash leaves the journal at its old version.
             with self.transaction():
@@ -212,14 +226,21 @@ class Journal:
                     # fetched ranges and hidden keys.
                     for column in ("blocks", "storage_class", "remote_etag"):
                         self._db.execute(f"ALTER TABLE inodes ADD COLUMN {column} TEXT")
-                # Version 3 added special files (FIFOs, sockets, device nodes): their rdev.
-                self._db.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
+                if int(found[0]) <= 2:
+                    # Version 3 added special files (FIFOs, sockets, device nodes): their rdev.
+                    self._db.execute(
+                        "ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
+                # Version 4 added hard links: every existing row is no alias (NULL).
+                self._db.execute("ALTER TABLE inodes ADD COLUMN link_of INTEGER")
                 self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'",
                                  (str(SCHEMA_VERSION),))
         elif int(found[0]) != SCHEMA_VERSION:
             raise JournalCorrupt(
                 f"journal {self.path} has schema {found[0]}, this ckptfs reads {SCHEMA_VERSION}"
             )
+        # Not in the schema script: that runs before a journal of version 3 has the column.
+        self._db.execute("CREATE INDEX IF NOT EXISTS inodes_link_of ON inodes (link_of)"
+                         " WHERE link_of IS NOT NULL")
 
     def close(self) -> None:
         self._db.close()
@@ -342,6 +363,16 @@ class Journal:
                 (parent, after_ino, limit),
             )
         ]
+
+    def aliases(self, head: int) -> list[Row]:
+        """The extra names (hard links) of inode ``head``, in inode order."""
+        return [_row(r) for r in self._db.execute(
+            _SELECT + " WHERE link_of = ? ORDER BY ino", (head,))]
+
+    def linked_heads(self) -> dict[int, int]:
+        """Every inode with extra names -> how many."""
+        return {int(h): int(n) for h, n in self._db.execute(
+            "SELECT link_of, count(*) FROM inodes WHERE link_of IS NOT NULL GROUP BY link_of")}
 
     def has_children(self, parent: int) -> bool:
         return (
@@ -519,7 +550,7 @@ class Journal:
         """Bytes of file data in staging: whole local files plus fetched ranges of the rest."""
         found = self._db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE (mode & 61440) = 32768"
-            " AND state != ?", (State.REMOTE.value,)).fetchone()
+            " AND state != ? AND link_of IS NULL", (State.REMOTE.value,)).fetchone()
         fetched = self._db.execute("SELECT COALESCE(SUM(stop - start), 0) FROM ranges").fetchone()
         return int(found[0]) + int(fetched[0])
 

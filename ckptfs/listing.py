@@ -353,10 +353,13 @@ class Lister:
     # -- decisions --------------------------------------------------------------------------
 
     def _clean(self, row: Row, key: str) -> bool:
-        """Whether the row is just a view of the remote object at ``key`` (safe to update)."""
+        """Whether the row is just a view of the remote object at ``key`` (safe to update).
+        A name of a hard-linked file never is: its bytes are shared with its other names,
+        so the store's word about one object does not decide them (local wins: a limit,
+        docs/HARD_LINKS.md)."""
         return (row.remote_key == key and not row.incomplete
                 and row.state in (State.REMOTE, State.COMMITTED)
-                and not self._is_busy(row.ino))
+                and not self._is_busy(row.ino) and not self.ns.is_linked(row))
 
     @staticmethod
     def _same_kind(row: Row, info: ObjectInfo) -> bool:

@@ -11,10 +11,25 @@ Invariants:
   of the open handle persists them at flush/fsync/release. So a write() never touches SQLite.
 - A cached row stays cached while the kernel knows it (lookup > 0), it is open, or it is dirty.
 - Names are bytes of 1-255 bytes with no '/' or NUL (the kernel checks this too).
+
+Hard links (journal.py "Hard links", docs/HARD_LINKS.md): a *name row* is the row of one
+name (``entry``); the *kernel row* is the inode the kernel knows (``lookup``, ``kernel``): the
+name row itself, or for an alias its head. The kernel never hears of an alias's ino.
+- ``persist`` of a head writes its aliases in the same transaction, with the head's mode,
+  owner, size, times and version mirrored: an alias is never seen with another version.
+- Removing a name of a linked file never detaches the inode: an alias's row is deleted (the
+  kernel holds no reference to it); the head's own name is handed the name of its first
+  alias (*promotion*: the head takes that name, the alias row goes), so the kernel's inode
+  lives on under the remaining names. ``succession`` says which alias, and whether the head
+  also takes over that alias's committed object (*adopt*: both hold the same version, and
+  nothing is on its way to either key) or is carried to its new key like a renamed file.
+- ``_linked`` (head -> number of aliases) is the journal's, loaded at start and kept by the
+  only writers of ``link_of``: ``link`` and the removals here.
 """
 
 from __future__ import annotations
 
+import os
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -59,6 +74,7 @@ class Namespace:
         self._lookups: dict[int, int] = {}
         self._opens: dict[int, int] = {}
         self._dirty: set[int] = set()
+        self._linked: dict[int, int] = journal.linked_heads()
 
     # -- reading --------------------------------------------------------------------------
 
@@ -72,6 +88,39 @@ class Namespace:
         return row
 
     def lookup(self, parent: int, name: bytes) -> Row:
+        """The kernel row of the entry ``name`` (for an alias: its head)."""
+        return self.kernel(self.entry(parent, name))
+
+    def kernel(self, row: Row) -> Row:
+        """The inode the kernel knows for the name row ``row``."""
+        return row if row.link_of is None else self.get(row.link_of)
+
+    def kernel_ino(self, ino: int) -> int:
+        if not self._linked:
+            return ino  # no hard links at all (the common case): no query
+        # Not through ``get``, which would cache a row object that callers holding another
+        # object of the same row (a listing's, from ``children``) do not update.
+        row = self._rows.get(ino) or self.journal.get(ino)
+        return ino if row is None or row.link_of is None else row.link_of
+
+    def is_linked(self, row: Row) -> bool:
+        """Whether ``row`` is a name of a file with several names."""
+        return row.link_of is not None or row.ino in self._linked
+
+    def nlink(self, row: Row) -> int:
+        """``st_nlink`` of a kernel row (directories: 1, see docs/SEMANTICS.md)."""
+        if row.parent is None and row.ino != ROOT_INODE:
+            return 0
+        return 1 + self._linked.get(row.ino, 0)
+
+    def aliases(self, head: int) -> list[Row]:
+        """The alias rows of ``head`` (cached: the uploader and fs.py share the objects)."""
+        if head not in self._linked:
+            return []
+        return [self._rows.setdefault(found.ino, found) for found in self.journal.aliases(head)]
+
+    def entry(self, parent: int, name: bytes) -> Row:
+        """The name row of ``name`` in ``parent`` (``.`` and ``..``: the directories)."""
         parent_row = self.get(parent)
         if not stat.S_ISDIR(parent_row.mode):
             raise NotADirectory(f"inode {parent}")
@@ -150,7 +199,18 @@ class Namespace:
     # -- writing --------------------------------------------------------------------------
 
     def persist(self, row: Row) -> None:
-        self.journal.update(row)
+        if row.ino in self._linked:
+            with self.journal.transaction():
+                self.journal.update(row)
+                for alias in self.aliases(row.ino):
+                    alias.mode, alias.uid, alias.gid, alias.size = (row.mode, row.uid, row.gid,
+                                                                    row.size)
+                    alias.atime_ns, alias.mtime_ns, alias.ctime_ns = (row.atime_ns, row.mtime_ns,
+                                                                      row.ctime_ns)
+                    alias.version = row.version
+                    self.journal.update(alias)
+        else:
+            self.journal.update(row)
         self._dirty.discard(row.ino)
 
     def note_write(self, row: Row, end: int) -> None:
@@ -195,8 +255,9 @@ class Namespace:
         self.persist(row)
 
     def unlink(self, parent: int, name: bytes, *, directory: bool) -> Row:
-        """Remove the entry; the inode is freed once nothing refers to it any more."""
-        row = self.lookup(parent, name)
+        """Remove the entry; the inode is freed once nothing refers to it any more. Returns
+        the name row (for a linked file: see ``remove_name``)."""
+        row = self.entry(parent, name)
         if directory:
             if not stat.S_ISDIR(row.mode):
                 raise NotADirectory(name.decode(errors="replace"))
@@ -204,8 +265,91 @@ class Namespace:
                 raise NotEmpty(name.decode(errors="replace"))
         elif stat.S_ISDIR(row.mode):
             raise IsADirectory(name.decode(errors="replace"))
-        self._detach(row)
+        if self.is_linked(row):
+            self.remove_name(row)
+        else:
+            self._detach(row)
         return row
+
+    # -- hard links -----------------------------------------------------------------------
+
+    def link(self, head: Row, parent: int, name: bytes) -> Row:
+        """A new name for the regular file ``head``: an alias row, its object still to be
+        written (STAGED; OPEN with the head while the head is being written)."""
+        check_name(name, parent)
+        assert head.link_of is None and stat.S_ISREG(head.mode)
+        parent_row = self.get(parent)
+        if not stat.S_ISDIR(parent_row.mode):
+            raise NotADirectory(f"inode {parent}")
+        if self.journal.lookup(parent, name) is not None:
+            raise AlreadyExists(name.decode(errors="replace"))
+        now = time.time_ns()
+        writing = head.state is State.OPEN
+        alias = replace(
+            head, ino=0, parent=parent, name=name, link_of=head.ino,
+            state=State.OPEN if writing else State.STAGED, incomplete=head.incomplete,
+            closed_at=head.closed_at if writing else time.time(), committed_at=None,
+            checksum=None, blocks=None, tiers="", remote_key=None, uploading_key=None,
+            storage_class=None, remote_etag=None, target=None, ctime_ns=now)
+        with self.journal.transaction():
+            self.journal.insert(alias)
+            self._linked[head.ino] = self._linked.get(head.ino, 0) + 1
+            self._rows[alias.ino] = alias
+            self._touch_dir(parent_row, now)
+            head.ctime_ns = now
+            self.persist(head)
+        return alias
+
+    def succession(self, row: Row) -> tuple[Row, bool] | None:
+        """For the head's own name of a linked file: the alias whose name the head takes when
+        this name goes, and whether the head adopts that alias's committed object (else the
+        head is carried to the alias's key as a renamed file is). None for other rows."""
+        if row.link_of is not None or row.ino not in self._linked:
+            return None
+        heir = self.aliases(row.ino)[0]
+        path = self.journal.path_of(heir.ino)
+        adopt = (row.state in (State.COMMITTED, State.REMOTE) and row.uploading_key is None
+                 and not row.incomplete and heir.state is State.COMMITTED
+                 and heir.uploading_key is None and heir.version == row.version
+                 and heir.checksum is not None and heir.checksum == row.checksum
+                 and path is not None and heir.remote_key == os.fsdecode(path))
+        return heir, adopt
+
+    def remove_name(self, row: Row) -> None:
+        """Remove the name row ``row`` of a linked file; the inode keeps its other names."""
+        now = time.time_ns()
+        with self.journal.transaction():
+            assert row.parent is not None
+            self._touch_dir(self.get(row.parent), now)
+            if row.link_of is not None:
+                head = self.get(row.link_of)
+                self._forget_alias(row)
+            else:
+                found = self.succession(row)
+                assert found is not None
+                heir, adopt = found
+                head = row
+                place = (heir.parent, heir.name)
+                self._forget_alias(heir)  # frees the (parent, name) slot for the head
+                head.parent, head.name = place
+                if adopt:
+                    # The alias's object becomes the head's: same version, same bytes.
+                    head.remote_key, head.remote_etag = heir.remote_key, heir.remote_etag
+                    head.committed_at, head.storage_class = heir.committed_at, heir.storage_class
+                    head.tiers = heir.tiers
+            head.ctime_ns = now
+            self.persist(head)
+
+    def _forget_alias(self, alias: Row) -> None:
+        assert alias.link_of is not None
+        self.journal.delete(alias.ino)
+        self._rows.pop(alias.ino, None)
+        self._dirty.discard(alias.ino)
+        left = self._linked[alias.link_of] - 1
+        if left:
+            self._linked[alias.link_of] = left
+        else:
+            del self._linked[alias.link_of]
 
     def _detach(self, row: Row) -> None:
         now = time.time_ns()
@@ -224,12 +368,14 @@ class Namespace:
     ) -> tuple[Row, Row | None]:
         """Move an entry; returns (moved row, replaced row or None). Atomic in the journal."""
         check_name(new_name, new_parent)
-        src = self.lookup(old_parent, old_name)
+        src = self.entry(old_parent, old_name)
         dst_dir = self.get(new_parent)
         if not stat.S_ISDIR(dst_dir.mode):
             raise NotADirectory(f"inode {new_parent}")
         dst = self.journal.lookup(new_parent, new_name)
         dst = self._rows.get(dst.ino, dst) if dst is not None else None
+        if dst is not None and self.kernel(dst).ino == self.kernel(src).ino:
+            return src, None  # two names of one inode (or one name): POSIX does nothing
         if exchange:
             if dst is None:
                 raise NotFound(new_name.decode(errors="replace"))
@@ -241,8 +387,6 @@ class Namespace:
         if dst is not None:
             if noreplace:
                 raise AlreadyExists(new_name.decode(errors="replace"))
-            if dst.ino == src.ino:
-                return src, None
             if stat.S_ISDIR(src.mode):
                 if not stat.S_ISDIR(dst.mode):
                     raise NotADirectory(new_name.decode(errors="replace"))
@@ -255,6 +399,9 @@ class Namespace:
         now = time.time_ns()
         with self.journal.transaction():
             if dst is not None:
+                # A name of a linked file was removed by fs.py first (``remove_name``, with
+                # its keys): only an inode with one name is replaced here.
+                assert not self.is_linked(dst)
                 self._detach(dst)
             self._touch_dir(self.get(old_parent), now)
             src.parent, src.name, src.ctime_ns = new_parent, new_name, now

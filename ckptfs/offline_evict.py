@@ -113,6 +113,7 @@ def evict_offline(staging_dir: Path, prefix: str = "", dry_run: bool = False) ->
 def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Outcome:
     from ckptfs.fs import Filesystem  # the daemon's core: its eviction is the one used
 
+    fs = Filesystem(journal, staging)
     top = _resolve(journal, prefix)
     # Oldest first (``rows_in_states`` order): the order the daemon evicts in.
     candidates = journal.rows_in_states(*State)
@@ -127,6 +128,8 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
     for row in candidates:  # regular files only
         if row.parent is None:
             continue  # unlinked while open: the next mount purges it, data and all
+        if row.link_of is not None:
+            continue  # a hard link's extra name: its bytes are its head's
         if row.state is State.REMOTE:
             if row.storage_class in ARCHIVE_CLASSES and journal.ranges(row.ino):
                 # Fetched while restored: dropped, it could not be read again without
@@ -140,6 +143,8 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
                 out.freed_bytes += _allocated(staging, row.ino)
             continue
         why = _keep_reason(row, row.ino in unsettled)
+        if not why and not fs.evictable(row):
+            why = "another name of it (a hard link) is not committed to the store yet"
         if why:
             path = os.fsdecode(journal.path_of(row.ino) or b"?")
             out.kept.append(f"{path}: {why}")
@@ -157,7 +162,7 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
             for row in leftovers:
                 journal.set_ranges(row.ino, [])  # fetched ranges: a cache, fetched again
         # Records the victims REMOTE, makes the journal durable, then unlinks their data.
-        Filesystem(journal, staging).evict(*victims)
+        fs.evict(*victims)
         journal.make_durable()  # the dropped ranges too, before their data goes
         for row in leftovers:
             staging.unlink(row.ino)

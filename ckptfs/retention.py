@@ -861,7 +861,8 @@ class Retention:
             if action.source == HOT:
                 assert local is not None and self.fs is not None
                 row = self._row(local.ino)
-                if row.state is State.REMOTE:
+                data = self.fs.ns.kernel(row)  # a hard link's extra name: its head's bytes
+                if data.state is State.REMOTE:
                     raise RetentionError(f"{key} is not on NVMe any more")
                 meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid,
                                   row.gid, row.checksum)
@@ -869,7 +870,7 @@ class Retention:
                 # journal's checksum before it is put: NVMe pages lost in a power loss
                 # never reach another tier labelled with the good checksum.
                 checksum = checksum or row.checksum
-                await put_checked(dst, key, self.fs.staging.path(row.ino), size, meta,
+                await put_checked(dst, key, self.fs.staging.path(data.ino), size, meta,
                                   checksum)
             else:
                 src = self.tiers[action.source]

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import crc32c
 import trio
 
-from ckptfs.errors import NotFound
+from ckptfs.errors import CkptfsError, NotFound
 from ckptfs.integrity import MIN_BLOCK, file_sums, format_crc
 from ckptfs.journal import Journal, Row, State
 from ckptfs.keys import KeyClaims
@@ -81,6 +81,10 @@ OUTAGE_AFTER = 3
 _HASH_CHUNK = 8 * 1024 * 1024
 
 WorkKey = tuple[str, int]  # ("ino", inode), ("tomb", tombstone id) or ("sweep", sweep id)
+
+
+class NotLocal(CkptfsError):
+    """An alias's upload found its head's bytes not on this node (retried with backoff)."""
 
 
 @dataclass
@@ -657,12 +661,19 @@ class Uploader:
             self._pending.pop(("tomb", tomb_id), None)
 
     async def _upload(self, work: Work, row: Row, key: str) -> None:
+        # A hard link's extra name (an alias) is put from its head's staging file: the same
+        # bytes, as many objects as names (journal.py "Hard links").
+        data = self.ns.kernel_ino(row.ino)
+        if self.ns.get(data).state is State.REMOTE:
+            # Not local (fs.py keeps a head's bytes until every alias is committed; a power
+            # loss may still have taken them): a sparse file would upload zeros. Retried.
+            raise NotLocal(f"{key}: the bytes of its inode {data} are not on this node")
         version = row.version
         row.state = State.UPLOADING
         row.uploading_key = key
         self.ns.persist(row)
         self._supersede(key)
-        source = self.staging.path(row.ino)
+        source = self.staging.path(data)
         size = row.size
         try:
             # Durable before it is summed and before the journal says COMMITTED: a committed
@@ -671,10 +682,10 @@ class Uploader:
             # it, and though its sync blocks for a device flush, a hop for it alone would
             # still let the autojump clock of the node tests leap (tests/test_multinode.py).
             if size <= INLINE_SUMS:
-                self.staging.datasync(row.ino)
+                self.staging.datasync(data)
                 checksum, sums = file_sums(source, size, self.min_block)
             else:
-                await trio.to_thread.run_sync(self.staging.datasync, row.ino)
+                await trio.to_thread.run_sync(self.staging.datasync, data)
                 checksum, sums = await trio.to_thread.run_sync(file_sums, source, size,
                                                                self.min_block)
         except FileNotFoundError:
