@@ -74,6 +74,10 @@ class BadHandle(FsError):
     """A file handle that is unknown or not open in the needed mode."""
 
 
+class FileTooLarge(FsError):
+    """EFBIG (errno table below): a size the staging directory could never hold."""
+
+
 class StagingFull(FsError):
     """The staging directory has no room and none could be freed in time."""
 
@@ -120,6 +124,7 @@ _ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (NoSuchAttribute, errno.ENODATA),
     (Unsupported, errno.EOPNOTSUPP),
     (BadHandle, errno.EBADF),
+    (FileTooLarge, errno.EFBIG),
     (StagingFull, errno.ENOSPC),
     (CrossDevice, errno.EXDEV),
     (StoreUnavailable, errno.EIO),

@@ -46,6 +46,7 @@ from ckptfs.errors import (
     AlreadyExists,
     BadHandle,
     ChecksumMismatch,
+    FileTooLarge,
     InvalidArgument,
     IsADirectory,
     NeedsRestore,
@@ -94,6 +95,9 @@ class Handle:
     writable: bool
     # Opened write-only with write_direct_io: the kernel sends writes straight to us.
     direct_io: bool = False
+    # Opened for writing by a caller without CAP_FSETID (not root): its writes clear
+    # setuid and setgid (_drop_set_id). None: opened by root, or read-only.
+    unprivileged_writer: Caller | None = None
     # Sequential-read detection for readahead: where the next read would start, and how far
     # ahead of it blocks are being fetched (doubles while the reader stays sequential).
     next_offset: int = 0
@@ -460,6 +464,12 @@ class Filesystem:
     ) -> Row:
         row = self.ns.get(ino)
         now = time.time_ns()
+        if size is not None and size > row.size and \
+                not self.space.could_ever_take(size - row.size):
+            # A hole is counted at its apparent size like written bytes (a write into it
+            # takes no more room): one larger than the staging disk would only stall for
+            # write_stall_timeout and end in ENOSPC.
+            raise FileTooLarge(f"{size} bytes: more than the staging directory holds")
         if row.state is State.REMOTE and size == 0:
             await self._discard_remote(row)  # nothing of the old bytes is needed
         elif row.state is State.REMOTE and (size is not None or mode is not None
@@ -805,7 +815,7 @@ class Filesystem:
 
     # -- files ----------------------------------------------------------------------------
 
-    async def open(self, ino: int, flags: int) -> int:
+    async def open(self, ino: int, flags: int, caller: Caller = ROOT_CALLER) -> int:
         row = self.ns.get(ino)
         if stat.S_ISDIR(row.mode):
             raise IsADirectory("cannot open a directory as a file")
@@ -839,7 +849,7 @@ class Filesystem:
             if not self._writers.get(ino):
                 self._mark_staged(row)
             self.ns.persist(row)
-        return self._new_handle(row, fd, writable, flags)
+        return self._new_handle(row, fd, writable, flags, caller)
 
     def create(
         self, parent: int, name: bytes, mode: int, flags: int, caller: Caller
@@ -856,9 +866,10 @@ class Filesystem:
             self._writers[row.ino] = 1
         else:
             self.listener.inode_changed(row.ino)  # created empty and closed: upload it
-        return self._new_handle(row, fd, writable, flags), row
+        return self._new_handle(row, fd, writable, flags, caller), row
 
-    def _new_handle(self, row: Row, fd: int, writable: bool, flags: int) -> int:
+    def _new_handle(self, row: Row, fd: int, writable: bool, flags: int,
+                    caller: Caller) -> int:
         fh = self._next_fh
         self._next_fh += 1
         # Only write-only opens: such a descriptor cannot be mmapped (which direct I/O would
@@ -866,7 +877,8 @@ class Filesystem:
         # cached pages that a direct write overwrites, so readers on other descriptors stay
         # coherent (tests/test_write_direct_io.py).
         direct = self.write_direct_io and (flags & os.O_ACCMODE) == os.O_WRONLY
-        self._handles[fh] = Handle(row.ino, fd, writable, direct)
+        self._handles[fh] = Handle(row.ino, fd, writable, direct,
+                                   caller if writable and caller.uid != 0 else None)
         self.ns.pin(row.ino)
         return fh
 
@@ -982,6 +994,8 @@ class Filesystem:
         if not handle.writable or handle.fd is None:
             raise BadHandle("file not open for writing")
         row = self.ns.get(handle.ino)
+        if handle.unprivileged_writer is not None:
+            self._drop_set_id(row, handle.unprivileged_writer)
         if row.closed_at is not None and row.state is State.OPEN:
             row.closed_at = None  # written after a close(2) of another descriptor: still open
             self.ns.persist(row)
@@ -1014,6 +1028,26 @@ class Filesystem:
         self.space.settle(reserved, row.size - before)
         self.bytes_written += written
         return written
+
+    def _drop_set_id(self, row: Row, writer: Caller) -> None:
+        """A write by an unprivileged caller clears setuid, and setgid when the file is
+        group-executable or the writer is not in its group: the kernel's rule
+        (setattr_should_drop_suidgid) on a local filesystem.
+
+        The kernel applies it itself before a write through its page cache (a SETATTR that
+        arrives first); a direct write (write_direct_io) only carries a flag that the FUSE
+        binding does not pass on, so the daemon applies it to every write of a handle opened
+        for writing by a caller other than root (the one holding CAP_FSETID, near enough:
+        capabilities are not in the request). Only the writer's primary group is known: a
+        member through a supplementary group loses a setgid bit that ext4 would keep.
+        """
+        drop = row.mode & stat.S_ISUID
+        if row.mode & stat.S_ISGID and (row.mode & stat.S_IXGRP or writer.gid != row.gid):
+            drop |= stat.S_ISGID
+        if drop:
+            row.mode &= ~drop
+            row.ctime_ns = time.time_ns()
+            self.ns.persist(row)
 
     # -- space ----------------------------------------------------------------------------
 

@@ -182,7 +182,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
-        fh = await self.fs.open(inode, flags)
+        fh = await self.fs.open(inode, flags, _caller(ctx))
         return pyfuse3.FileInfo(fh=fh, **self._opened(fh, inode, flags))
 
     @_translate_errors

@@ -29,6 +29,7 @@ import errno
 import logging
 import os
 import platform
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -374,7 +375,12 @@ class PassthroughFiles:
         return fields
 
     def _eligible(self, ino: int) -> bool:
-        return self.fs.getattr(ino).state is not State.REMOTE
+        row = self.fs.getattr(ino)
+        # A set-id file is served by the daemon, which clears the bits on an unprivileged
+        # write by the kernel's rule (fs.py ``_drop_set_id``); a passthrough write keeps
+        # setgid on a file that is not group-executable, written by a non-member
+        # (tests/test_posix_conformance.py). Checkpoints are never set-id: nothing is lost.
+        return row.state is not State.REMOTE and not row.mode & (stat.S_ISUID | stat.S_ISGID)
 
     def _reserve(self, ino: int) -> bool:
         """Hold ``write_reserve`` of the budget for a passthrough writer of ``ino``, evicting

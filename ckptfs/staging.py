@@ -389,6 +389,14 @@ class SpaceBudget:
         self.used += nbytes
         return True
 
+    def could_ever_take(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more could fit at all, were every other byte evicted: if not,
+        waiting for uploads and evictions is pointless."""
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            return False
+        st = self.staging.statvfs()
+        return nbytes <= st.f_blocks * st.f_frsize * (1 - self.min_free_ratio)
+
     def remeasure(self) -> None:
         """The disk filled up behind the accounting (other users of the disk, space an
         unlinked file still held): trust statvfs again."""
