@@ -68,6 +68,7 @@ from ckptfs.listing import Lister
 from ckptfs.namespace import Namespace
 from ckptfs.noderun import boot_id, page_cache_lost
 from ckptfs.staging import SpaceBudget, Staging
+from ckptfs.storetrust import is_special
 from ckptfs.tiers.base import ARCHIVE_CLASSES, ObjectArchived
 
 if TYPE_CHECKING:
@@ -590,18 +591,21 @@ class Filesystem:
         return row
 
     async def link(self, ino: int, parent: int, name: bytes) -> Row:
-        """A new name for a regular file (docs/HARD_LINKS.md): an alias row, uploaded as a
-        file of its own. A file known only from the store is fetched first: the new name's
-        object is put from the local bytes, as every upload is."""
+        """A new name for a regular or special file (docs/HARD_LINKS.md): an alias row, put
+        in the store as an entry of its own. A regular file known only from the store is
+        fetched first: the new name's object is put from the local bytes, as every upload
+        is; a special file has no bytes (its entry is put again at each name, as a rename
+        of it does: upload.py ``_put_entry``)."""
         row = self.ns.get(ino)
-        if not stat.S_ISREG(row.mode):
-            raise NotPermitted("hard links of directories, symlinks and special files")
+        if not stat.S_ISREG(row.mode) and not is_special(row.mode):
+            raise NotPermitted("hard links of directories and symlinks")
         if row.parent is None:
             raise NotFound(f"inode {ino} has no name left")
-        await self._ensure_local(row)
-        row = self.ns.get(ino)
-        if row.state is State.REMOTE:
-            raise StoreUnavailable(f"inode {ino}: its bytes could not be made local")
+        if stat.S_ISREG(row.mode):
+            await self._ensure_local(row)
+            row = self.ns.get(ino)
+            if row.state is State.REMOTE:
+                raise StoreUnavailable(f"inode {ino}: its bytes could not be made local")
         self._unhide(parent, name)
         alias = self.ns.link(row, parent, name)
         if alias.state is State.STAGED:

@@ -59,7 +59,14 @@ from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.namespace import MAX_NAME, Namespace
 from ckptfs.peers import PeerJudge, Verdict
-from ckptfs.storetrust import dir_mode, file_mode, owner, special_mode, symlink_target
+from ckptfs.storetrust import (
+    dir_mode,
+    file_mode,
+    is_special,
+    owner,
+    special_mode,
+    symlink_target,
+)
 from ckptfs.tiers.base import (
     ARCHIVE_CLASSES,
     CONTROL_PREFIX,
@@ -242,7 +249,7 @@ class Lister:
                         self._insert(directory, name, info, started)
                 elif self._clean(existing, info.key) and stat.S_ISREG(existing.mode):
                     self._maybe_update(existing, info)
-                elif self._clean(existing, info.key) and _is_special(existing.mode):
+                elif self._clean(existing, info.key) and is_special(existing.mode):
                     self._maybe_update_special(existing, info)
             for name, row in local.items():
                 if name in remote and remote[name].key not in skip:
@@ -323,7 +330,7 @@ class Lister:
             return True
         if info.key.endswith("/"):
             return False  # a known directory: its marker's metadata does not change it
-        if _is_special(row.mode):
+        if is_special(row.mode):
             # A special file's object is empty, and S3's ETag of an empty object is the same
             # whatever its metadata: a chmod, chown or touch on another node keeps the tag.
             # So its metadata is read at every refresh (special files are few).
@@ -373,7 +380,7 @@ class Lister:
             return stat.S_ISLNK(row.mode)
         if info.meta.kind is Kind.SPECIAL:
             return stat.S_IFMT(row.mode) == stat.S_IFMT(info.meta.mode) and \
-                _is_special(row.mode)
+                is_special(row.mode)
         return stat.S_ISREG(row.mode)
 
     @staticmethod
@@ -487,6 +494,3 @@ class Lister:
                  os.fsdecode(name))
         return True
 
-
-def _is_special(mode: int) -> bool:
-    return stat.S_IFMT(mode) in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)

@@ -46,6 +46,7 @@ from ckptfs.errors import (
     NotPermitted,
 )
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.storetrust import is_special
 from ckptfs.tiers.base import CONTROL_PREFIX
 
 MAX_NAME = 255
@@ -277,7 +278,7 @@ class Namespace:
         """A new name for the regular file ``head``: an alias row, its object still to be
         written (STAGED; OPEN with the head while the head is being written)."""
         check_name(name, parent)
-        assert head.link_of is None and stat.S_ISREG(head.mode)
+        assert head.link_of is None and (stat.S_ISREG(head.mode) or is_special(head.mode))
         parent_row = self.get(parent)
         if not stat.S_ISDIR(parent_row.mode):
             raise NotADirectory(f"inode {parent}")

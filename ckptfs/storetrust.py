@@ -46,6 +46,11 @@ SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
 MAX_RDEV = 2**64 - 1  # dev_t
 
 
+def is_special(mode: int) -> bool:
+    """A FIFO, socket or device node."""
+    return stat.S_IFMT(mode) in SPECIAL_TYPES
+
+
 def special_mode(mode: int, rdev: int) -> tuple[int, int] | None:
     """``st_mode`` and ``st_rdev`` of a special file from store-supplied values, or None if
     they describe no special file (then the entry is refused)."""

@@ -26,6 +26,7 @@ from ckptfs.errors import NotPermitted
 from ckptfs.fs import ROOT_CALLER
 from ckptfs.journal import ROOT_INODE, SCHEMA_VERSION, Journal, Row, State
 from ckptfs.staging import Staging
+from ckptfs.tiers.base import Kind
 from ckptfs.tiers.memory import MemoryTier
 from tests.mounting import Mounter, sync
 from tests.test_retention_settle import node as retention_node
@@ -346,6 +347,32 @@ async def test_link_of_a_file_known_only_from_the_store_fetches_it(
     assert rig.fs.getattr(ino).state is State.COMMITTED
     await rig.settle()
     assert _data_files(rig) == {"a": b"A" * 100, "b": b"A" * 100}
+
+
+async def test_links_of_a_fifo_and_a_device_node(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """A special file's names are one inode here and entries of their own in the store
+    (each the same marker: type, mode, rdev); unlinking the first name hands the inode to
+    the other, whose entry stays, and the first one's goes."""
+    for kind, rdev in ((stat.S_IFIFO, 0), (stat.S_IFCHR, os.makedev(1, 3))):
+        tag = "fifo" if kind == stat.S_IFIFO else "chr"
+        first = rig.fs.mknod(ROOT, f"{tag}_a".encode(), kind | 0o640, ROOT_CALLER, rdev)
+        await _link(rig, f"{tag}_a", f"{tag}_b")
+        assert await rig.ino(f"{tag}_b") == first.ino and _nlink(rig, first.ino) == 2
+        await rig.settle()
+        entries = {k: o.meta for k, o in rig.objects.items() if k.startswith(tag)}
+        assert set(entries) == {f"{tag}_a", f"{tag}_b"}
+        assert {(m.kind, m.mode, m.rdev) for m in entries.values()} == {
+            (Kind.SPECIAL, kind | 0o640, rdev)}
+        await rig.fs.setattr(first.ino, mode=0o600)  # every name's entry follows
+        await rig.fs.unlink(ROOT, f"{tag}_a".encode())
+        await rig.settle()
+        row = rig.fs.getattr(await rig.ino(f"{tag}_b"))
+        assert row.ino == first.ino and _nlink(rig, row.ino) == 1
+        assert stat.S_IFMT(row.mode) == kind and row.rdev == rdev
+        entries = {k: o.meta for k, o in rig.objects.items() if k.startswith(tag)}
+        assert set(entries) == {f"{tag}_b"}
+        assert entries[f"{tag}_b"].mode == kind | 0o600
 
 
 async def test_link_of_a_directory_or_symlink_is_refused(
