@@ -54,6 +54,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from ckptfs.config import DEFAULT_CHECKPOINT_PATTERN
 from ckptfs.journal import ROOT_INODE, Row, State
 
 HOT = "hot"
@@ -76,13 +77,6 @@ def top_level(key: str) -> str:
     return key.split("/", 1)[0]
 
 
-# Default ``checkpoint_pattern``: a path component made of an optional prefix ending in
-# ``_``, ``.`` or ``-``, then ``step``, ``checkpoint`` or ``iter``, an optional ``_``/``-``,
-# the step, an optional suffix starting with ``_``, ``.`` or ``-``, and not ending in ``.tmp``.
-DEFAULT_CHECKPOINT_PATTERN = (
-    r"(?:^|/)(?:[^/]*[_.-])?(?:step|checkpoint|iter)[_-]?(?P<step>\d+)"
-    r"(?:[._-][^/]*)?(?<!\.tmp)(?=/|$)"
-)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ckptfs import control
+from ckptfs import controlsocket
 from ckptfs.errors import UserError
 from ckptfs.mountinfo import FSTYPE, MountEntry, mounts, normalize
 
@@ -80,11 +80,11 @@ def control_socket(mountpoint: str | Path) -> Path:
 
 def _replies(mountpoint: str | Path, payload: dict[str, Any], timeout: float | None = 30.0
              ) -> Iterator[dict[str, Any]]:
-    """``control.request`` to the daemon of ``mountpoint``; a daemon that is gone (or a
+    """``controlsocket.request`` to the daemon of ``mountpoint``; a daemon that is gone (or a
     connection it drops) is a UserError. A TimeoutError is left to the caller."""
     sock = control_socket(mountpoint)
     try:
-        yield from control.request(sock, payload, timeout=timeout)
+        yield from controlsocket.request(sock, payload, timeout=timeout)
     except (ConnectionError, FileNotFoundError) as exc:
         raise UserError(f"the ckptfs daemon of {mountpoint} does not answer on {sock}: "
                         f"{exc.strerror or exc}") from None
@@ -139,7 +139,7 @@ def nodes(mountpoint: str | Path, forget: str | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {"op": "nodes"}
     if forget:
         payload["forget"] = forget
-    for reply in control.request(control_socket(mountpoint), payload):
+    for reply in controlsocket.request(control_socket(mountpoint), payload):
         if "error" in reply:
             raise UserError(str(reply["error"]))
         return reply

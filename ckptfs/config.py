@@ -36,11 +36,18 @@ from pydantic import (
     model_validator,
 )
 
-from ckptfs.checkpoints import DEFAULT_CHECKPOINT_PATTERN
 from ckptfs.errors import UserError
 
 DEFAULT_STAGING = Path("/var/lib/ckptfs/staging")
 DEFAULT_STORE = Path("/var/lib/ckptfs/store")
+# Default ``checkpoint_pattern``: a path component made of an optional prefix ending in
+# ``_``, ``.`` or ``-``, then ``step``, ``checkpoint`` or ``iter``, an optional ``_``/``-``,
+# the step, an optional suffix starting with ``_``, ``.`` or ``-``, and not ending in ``.tmp``.
+DEFAULT_CHECKPOINT_PATTERN = (
+    r"(?:^|/)(?:[^/]*[_.-])?(?:step|checkpoint|iter)[_-]?(?P<step>\d+)"
+    r"(?:[._-][^/]*)?(?<!\.tmp)(?=/|$)"
+)
+
 DEFAULT_COMMIT_MARKERS = (
     ".metadata",
     "latest",

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs import client, control
+from ckptfs import client, controlsocket
 from ckptfs.config import Config, load_config
 from ckptfs.errors import UserError
 
@@ -30,7 +30,7 @@ def gather(mountpoint: Path | None, config_file: Path | None, apply: bool) -> di
         entry, _ = client.locate(mountpoint)
         return _ask(client.control_socket(entry.mountpoint), payload, str(mountpoint))
     config = load_config(config_file)
-    sock = control.socket_path(config.staging_dir)
+    sock = controlsocket.socket_path(config.staging_dir)
     if sock.exists():
         try:
             return _ask(sock, payload, str(config.staging_dir))
@@ -51,7 +51,7 @@ def gather(mountpoint: Path | None, config_file: Path | None, apply: bool) -> di
 
 def _ask(sock: Path, payload: dict[str, Any], where: str) -> dict[str, Any]:
     timeout = None if payload.get("apply") else 120.0
-    for reply in control.request(sock, payload, timeout=timeout):
+    for reply in controlsocket.request(sock, payload, timeout=timeout):
         if "error" in reply:
             raise UserError(str(reply["error"]), exit_code=1)
         if "checkpoints" not in reply:

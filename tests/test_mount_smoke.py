@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import control
+from ckptfs import controlsocket
 from ckptfs.errors import UserError
 from tests.mounting import Mounter, ckptfs, wait_for
 
@@ -41,7 +41,7 @@ def test_long_staging_path(mounter: Mounter, tmp_path: Path,
                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A staging path too long for a unix socket still gets a control socket (elsewhere)."""
     # Not the machine's /run/ckptfs-0, which other runs' mounts may be using (whose mode this
-    # version sets: control.RUN_DIR_MODE); the daemon inherits the environment.
+    # version sets: controlsocket.RUN_DIR_MODE); the daemon inherits the environment.
     monkeypatch.setenv("CKPTFS_RUNTIME_DIR", str(tmp_path / "run"))
     (tmp_path / "run").mkdir()
     staging = tmp_path / ("s" * 60) / ("t" * 60)
@@ -53,7 +53,7 @@ def test_long_staging_path(mounter: Mounter, tmp_path: Path,
     assert (m.store / "f").read_bytes() == b"data"
     run_dir = tmp_path / "run" / f"ckptfs-{os.geteuid()}"
     assert [p.suffix for p in run_dir.iterdir()] == [".sock"]
-    assert stat.S_IMODE(os.lstat(run_dir).st_mode) == control.RUN_DIR_MODE
+    assert stat.S_IMODE(os.lstat(run_dir).st_mode) == controlsocket.RUN_DIR_MODE
 
 
 UNSHARE = shutil.which("unshare")
@@ -91,7 +91,7 @@ ls {run_dir} > {q(str(out / "sockets"))}
                            script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads((out / "status.json").read_text())["staging_dir"] == str(staging)
-    assert int((out / "mode").read_text(), 8) == control.RUN_DIR_MODE
+    assert int((out / "mode").read_text(), 8) == controlsocket.RUN_DIR_MODE
     assert (out / "sockets").read_text().strip().endswith(".sock")
     assert (store / "f").read_bytes() == b"data\n"
 
@@ -102,27 +102,27 @@ def test_runtime_dir_of_ours_is_tightened_others_refused(tmp_path: Path) -> None
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o777)
     os.chmod(loose, 0o777)
-    control._private_dir(loose)
-    assert stat.S_IMODE(os.lstat(loose).st_mode) == control.RUN_DIR_MODE
-    control._private_dir(tmp_path / "new")
-    assert stat.S_IMODE(os.lstat(tmp_path / "new").st_mode) == control.RUN_DIR_MODE
+    controlsocket._private_dir(loose)
+    assert stat.S_IMODE(os.lstat(loose).st_mode) == controlsocket.RUN_DIR_MODE
+    controlsocket._private_dir(tmp_path / "new")
+    assert stat.S_IMODE(os.lstat(tmp_path / "new").st_mode) == controlsocket.RUN_DIR_MODE
 
     target = tmp_path / "target"
     target.mkdir(mode=0o755)
     os.chmod(target, 0o755)
     os.symlink(target, tmp_path / "link")
     with pytest.raises(UserError, match="symlink"):
-        control._private_dir(tmp_path / "link")
+        controlsocket._private_dir(tmp_path / "link")
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o755  # never chmod'ed through the link
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(UserError, match="not a directory"):
-        control._private_dir(tmp_path / "file")
+        controlsocket._private_dir(tmp_path / "file")
     if os.geteuid() == 0:
         theirs = tmp_path / "theirs"
         theirs.mkdir(mode=0o755)
         os.chown(theirs, 65534, 65534)
         with pytest.raises(UserError, match="owned by uid 65534"):
-            control._private_dir(theirs)
+            controlsocket._private_dir(theirs)
         assert stat.S_IMODE(os.stat(theirs).st_mode) == 0o755
 
 

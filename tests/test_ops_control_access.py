@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from ckptfs import control
+from ckptfs import control, controlsocket
 from tests.mounting import Mount, Mounter, ckptfs, mounter_in
 from tests.test_cli_errors import assert_user_error
 
@@ -145,7 +145,7 @@ def test_socket_in_the_runtime_directory(world_mounter: Mounter, open_base: Path
     m = shared_mount(world_mounter, "long", staging=staging)
     sock = Path(json.loads(os.getxattr(m.path, "user.ckptfs.daemon"))["control"])
     assert sock.parent == open_base / "run" / f"ckptfs-{os.geteuid()}"
-    assert stat.S_IMODE(os.lstat(sock.parent).st_mode) == control.RUN_DIR_MODE == 0o711
+    assert stat.S_IMODE(os.lstat(sock.parent).st_mode) == controlsocket.RUN_DIR_MODE == 0o711
     check_access(m)
 
 
