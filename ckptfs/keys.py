@@ -17,7 +17,9 @@ The rules that follow (docs/SEMANTICS.md, "Store keys"):
    K is owned by another file whose own move is still to come (it was renamed away from K:
    ``mv ckpt ckpt.prev; mv ckpt.new ckpt``). Overwriting K first would destroy the only copy
    the pending move has to take away. A file that is going to be uploaded again from its
-   local copy does not need its old object, so it holds nobody back.
+   local copy does not need its old object, so it holds nobody back. A symlink's or special
+   file's put waits the same way (``ln -s x ckpt`` after ``mv ckpt ckpt.prev``); it never
+   moves, so no ring goes through it.
 2. **Cycles are broken by parking.** Moves that wait for each other in a ring (a directory
    exchange, ``mv a t; mv b a; mv t b`` of evicted files) would wait forever: one of them is
    first moved to a parking key of its own (``PARKING_PREFIX``, under the nodes' control

@@ -501,7 +501,16 @@ class Uploader:
         except NotFound:
             return None, None, False
         key = self.keys.key_of(row)
-        if key is None or not stat.S_ISREG(row.mode):
+        if key is None:
+            return None, None, False
+        if not stat.S_ISREG(row.mode):
+            # A symlink or special file put at a key a file still has to move away from
+            # would overwrite that file's copy (its only one, if evicted): rule 1 holds for
+            # every put. An entry never moves, so it only ever waits (no cycle through it).
+            blocker, _ = self.keys.blocker(row, key)
+            if blocker is not None:
+                self._wait_for(blocker, work, waits)
+                return None
             return key, None, False
         move = self.keys.is_move(row, key)
         upload = row.state in (State.STAGED, State.UPLOADING) and not row.incomplete
@@ -509,14 +518,18 @@ class Uploader:
             return key, None, False
         blocker, cycle = self.keys.blocker(row, key)
         if blocker is not None and not cycle:
-            waits[blocker.ino] = min(waits.get(blocker.ino, work.seq), work.seq)
-            if ("ino", blocker.ino) not in self._pending and \
-                    ("ino", blocker.ino) not in self._inflight:
-                self._queue(("ino", blocker.ino))  # its move is what we wait for
+            self._wait_for(blocker, work, waits)
             return None
         if cycle:
             return self.keys.parking_key(row.ino), row.remote_key, True
         return key, row.remote_key if move else None, False
+
+    def _wait_for(self, blocker: Row, work: Work, waits: dict[int, int]) -> None:
+        """``work`` waits for ``blocker`` to move away from the key it wants (rule 1)."""
+        waits[blocker.ino] = min(waits.get(blocker.ino, work.seq), work.seq)
+        if ("ino", blocker.ino) not in self._pending and \
+                ("ino", blocker.ino) not in self._inflight:
+            self._queue(("ino", blocker.ino))  # its move is what we wait for
 
     def _markers_last(self, rows: list[Row]) -> list[Row]:
         """``rows`` in their order, but every commit marker after every other entry."""
