@@ -217,7 +217,7 @@ class KeyClaims:
         -> its key now. Handed to ``left_behind`` once the rename is in the journal."""
         keys: dict[int, str] = {}
         for top in tops:
-            for ino in [top.ino, *self.journal.descendants(top.ino)]:
+            for ino in [top.ino, *self.journal.directories_under(top.ino)]:
                 try:
                     row = self.ns.get(ino)
                 except NotFound:
