@@ -766,6 +766,10 @@ class Filesystem:
             replaced_keys = [k for k in replaced_keys
                              if not dst_path or k.rstrip("/") != os.fsdecode(dst_path)]
         old_path = self.journal.path_of(src.ino) if stat.S_ISDIR(src.mode) else None
+        # Directories that move: their old keys may have to go (keys.py, rule 6).
+        dirs_before = self.keys.directory_keys(
+            r for r in (src, dst if exchange else None)
+            if r is not None and stat.S_ISDIR(r.mode))
         sweep = None
         dropped: Callable[[], None] | None = None
         with self.journal.transaction():
@@ -778,6 +782,7 @@ class Filesystem:
                 noreplace=bool(flags & RENAME_NOREPLACE), exchange=exchange,
             )
             tombs = [(self.journal.add_tombstone(k), k) for k in replaced_keys] if replaced else []
+            left = [(self.journal.add_tombstone(k), k) for k in self.keys.left_behind(dirs_before)]
             new_path = self.journal.path_of(moved.ino)
             if old_path and new_path and not exchange:
                 # Other nodes may still be uploading files they closed into the directory
@@ -787,6 +792,8 @@ class Filesystem:
                                                os.fsdecode(new_path) + "/")
         if dropped is not None:
             dropped()
+        for tomb_id, key in left:
+            self.listener.tombstone_added(tomb_id, key)
         if sweep is not None:
             self.listener.sweep_added(sweep)  # numbered before the tree's markers
         if replaced is not None and not exchange:

@@ -17,7 +17,9 @@ The rules that follow (docs/SEMANTICS.md, "Store keys"):
    K is owned by another file whose own move is still to come (it was renamed away from K:
    ``mv ckpt ckpt.prev; mv ckpt.new ckpt``). Overwriting K first would destroy the only copy
    the pending move has to take away. A file that is going to be uploaded again from its
-   local copy does not need its old object, so it holds nobody back.
+   local copy does not need its old object, so it holds nobody back. A symlink's or special
+   file's put waits the same way (``ln -s x ckpt`` after ``mv ckpt ckpt.prev``); it never
+   moves, so no ring goes through it.
 2. **Cycles are broken by parking.** Moves that wait for each other in a ring (a directory
    exchange, ``mv a t; mv b a; mv t b`` of evicted files) would wait forever: one of them is
    first moved to a parking key of its own (``PARKING_PREFIX``, under the nodes' control
@@ -33,6 +35,47 @@ The rules that follow (docs/SEMANTICS.md, "Store keys"):
    tombstoned, was deleted while the listing was on its way, is hidden, or is held by an
    inode that is not (any more) the entry of that name.
 
+5. **A directory is deleted only when nothing is on its way beneath it.** A file tier (and
+   only it) holds a directory wherever it holds a key beneath it: a put or copy to ``d/x``
+   creates ``d`` again if it is gone. So the deletion of a directory key ``d/`` waits while
+   any item in flight claims a key beneath it, and no item starts on a key beneath ``d/``
+   while its deletion is in flight. Without it: ``rm d/x; rmdir d`` while ``d/x`` is
+   uploading deletes ``d`` first, the upload puts ``d`` back, and the deletion of ``d/x``
+   leaves an empty ``d`` that no tombstone names any more. The deletion of a directory that
+   still has entries (their deletions or moves are queued) fails with ``NotEmptyYet`` and
+   is retried at the next deletion (upload.py): an ordering wait, not a store outage.
+
+6. **A moved directory's old key is retired even if its marker never got there.** On a file
+   tier a directory exists once anything was put beneath it, whether or not its own marker
+   was put (a marker put that failed once and waits for its retry, or that is still queued).
+   A rename of such a directory (or of a directory above it) moves the entries beneath and
+   puts the marker at the new key, but the old directory would stay, empty, with no
+   tombstone: the rename itself tombstones the old keys of the moved directories that no
+   marker put will retire (``directory_keys`` before, ``left_behind`` after, in the rename's
+   transaction). In an exchange the keys one tree leaves and the other takes are kept. The
+   deletion waits for the entries to move away (rule 5, ``NotEmptyYet``); on an object
+   store it deletes a key that is usually absent; a key a live directory has since been
+   committed to is kept (``may_delete``), and a marker put to it drops the tombstone.
+
+Interleavings of rules 5 and 6 (tests/test_store_dirs.py, over a memory tier that keeps a
+file tier's directories):
+
+- ``rm d/x; rmdir d`` while ``d/x`` is uploading: the deletion of ``d/`` waits for the
+  upload, then for the deletion of ``d/x`` (rule 5);
+- a child's deletion fails (a transient error) and its parents' deletions run meanwhile:
+  ``NotEmptyYet`` each, no outage, all retried once the child is gone;
+- a directory renamed (or exchanged) while its marker and its subdirectories' markers wait
+  for a retry, after a file beneath was put: the old keys are tombstoned by the rename; a
+  new directory made at the old name at once keeps its key (its marker put drops the
+  tombstone, or, committed first, ``may_delete`` keeps it);
+- a crash after the rename: the tombstones are in its transaction, replayed at start; the
+  deletion is retried until the replayed moves have emptied the directory;
+- a crash before the rename's transaction: nothing changed, nothing to delete;
+- another node's file beneath the old directory (a shard closed into ``step.tmp/`` before
+  the rename): on a file tier the directory's deletion fails (``NotEmptyYet``) until the
+  sweep (upload.py ``_sweep``) has moved the file; a directory's tombstone deletes a
+  directory key, never a file, and on an object store only the marker object.
+
 Invariants: claims live in memory only; after a restart the journal (``uploading_key``,
 tombstones, ``remote_key``) is the whole truth, and ``Uploader.requeue_from_journal`` rebuilds
 the work from it. A parking key is journalled as ``uploading_key`` before the copy starts and
@@ -45,7 +88,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 
 from ckptfs.errors import NotFound
 from ckptfs.journal import Journal, Row, State
@@ -53,6 +96,14 @@ from ckptfs.namespace import Namespace
 from ckptfs.tiers.base import CONTROL_PREFIX
 
 PARKING_PREFIX = CONTROL_PREFIX + "parked/"
+
+
+def _ancestors(key: str) -> Iterator[str]:
+    """The directory keys above ``key``: "a/", "a/b/" for "a/b/c" (and for "a/b/c/")."""
+    end = key.find("/")
+    while 0 <= end < len(key.rstrip("/")):
+        yield key[:end + 1]
+        end = key.find("/", end + 1)
 
 
 class KeyClaims:
@@ -63,6 +114,8 @@ class KeyClaims:
         self.ns = ns
         self._by_key: dict[str, Hashable] = {}
         self._by_holder: dict[Hashable, tuple[str, ...]] = {}
+        # Directory keys ("x/") whose deletion is in flight (rule 5).
+        self._deleting: set[str] = set()
         # Parking keys are per mount run: two nodes (or two runs of one node's staging
         # directory, inode numbers reused) never park at the same key.
         self.token = secrets.token_hex(6)
@@ -70,18 +123,38 @@ class KeyClaims:
     # -- in-flight claims (rule: no two items on one key) ------------------------------------
 
     def busy(self, keys: Iterable[str | None]) -> bool:
+        """Whether one of ``keys`` itself is claimed by an item in flight."""
         return any(k is not None and k in self._by_key for k in keys)
 
-    def claim(self, holder: Hashable, keys: Iterable[str | None]) -> None:
+    def busy_around(self, keys: Iterable[str | None], *, deletion: bool = False) -> bool:
+        """Whether an item on ``keys`` must wait for one in flight: a claim on one of them,
+        or rule 5 (a ``deletion`` of a directory key waits for every claim beneath it, and
+        nothing is written or deleted beneath a directory whose deletion is in flight)."""
+        for key in keys:
+            if key is None:
+                continue
+            if key in self._by_key:
+                return True
+            if deletion and key.endswith("/") and any(k.startswith(key) for k in self._by_key):
+                return True
+            if self._deleting and any(d in self._deleting for d in _ancestors(key)):
+                return True
+        return False
+
+    def claim(self, holder: Hashable, keys: Iterable[str | None], *,
+              deletion: bool = False) -> None:
         held = tuple(k for k in keys if k is not None)
-        assert not self.busy(held), f"{held} claimed twice"
+        assert not self.busy_around(held, deletion=deletion), f"{held} claimed twice"
         for key in held:
             self._by_key[key] = holder
+            if deletion and key.endswith("/"):
+                self._deleting.add(key)
         self._by_holder[holder] = held
 
     def release(self, holder: Hashable) -> None:
         for key in self._by_holder.pop(holder, ()):
             del self._by_key[key]
+            self._deleting.discard(key)
 
     def claimed(self) -> set[str]:
         return set(self._by_key)
@@ -136,6 +209,39 @@ class KeyClaims:
 
     def parking_key(self, ino: int) -> str:
         return f"{PARKING_PREFIX}{self.token}/{ino}"
+
+    # -- directories that move (rule 6) -------------------------------------------------------
+
+    def directory_keys(self, tops: Iterable[Row]) -> dict[int, str]:
+        """Before a rename: every directory of the trees under ``tops`` (themselves included)
+        -> its key now. Handed to ``left_behind`` once the rename is in the journal."""
+        keys: dict[int, str] = {}
+        for top in tops:
+            for ino in [top.ino, *self.journal.directories_under(top.ino)]:
+                try:
+                    row = self.ns.get(ino)
+                except NotFound:
+                    continue
+                key = self.key_of(row)
+                if key is not None and stat.S_ISDIR(row.mode):
+                    keys[ino] = key
+        return keys
+
+    def left_behind(self, before: dict[int, str]) -> list[str]:
+        """After the rename: the old keys of the moved directories that no moved directory
+        takes (in an exchange, one tree's old keys are partly the other's new ones) and that
+        no put will retire (the directory's marker is not at its old key: never put, or put
+        at a key it has left since). On a file tier such a directory exists all the same, as
+        soon as something was put beneath it; nothing else would ever delete it."""
+        rows = {}
+        for ino in before:
+            try:
+                rows[ino] = self.ns.get(ino)
+            except NotFound:
+                continue
+        taken = {self.key_of(row) for row in rows.values()}
+        return sorted(old for ino, old in before.items()
+                      if ino in rows and old not in taken and rows[ino].remote_key != old)
 
     # -- deletions ---------------------------------------------------------------------------
 

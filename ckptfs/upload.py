@@ -18,9 +18,17 @@ Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
   obey the same rule (a marker's new key is its target): when a directory moves, and when
   the journal is replayed after a restart, markers are queued after every other item, so
   they reach their new keys after the files they stand for, at any depth.
-- Nothing else waits for anything: an old directory whose children are not deleted yet, or a
-  file whose key is still a directory on a file tier, fails and is retried (waiting would
-  deadlock: the directory's deletion could be waiting for that very file).
+- Nothing else waits for anything queued: an old directory whose children are not deleted
+  yet, or a file whose key is still a directory on a file tier, fails with ``NotEmptyYet``
+  and is retried (waiting would deadlock: the directory's deletion could be waiting for that
+  very file). That failure is an ordering wait, not an outage: the store answered, so it
+  never counts towards OUTAGE_AFTER (counting it would let only one item at a time reach
+  the store, on a growing backoff, while the deletions it waits for sit behind the gate),
+  and the item is tried again as soon as a deletion succeeds (``_deleted_one``), besides
+  its own backoff. Only items in flight are waited for: the deletion of a directory key
+  waits for every item in flight beneath it, and nothing starts beneath a directory being
+  deleted (keys.py, rule 5), since on a file tier a put beneath a deleted directory would
+  make it again, after its tombstone is gone.
 - Who may touch a key, and when, is keys.py's (``KeyClaims``): two items never work on the
   same remote key at once (a move claims its source and its target), a copy to a key waits
   for the file that still has to move away from it, a ring of such moves is broken by
@@ -60,7 +68,7 @@ from ckptfs.keys import KeyClaims
 from ckptfs.namespace import Namespace
 from ckptfs.peers import MoveRecorder
 from ckptfs.staging import Staging
-from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
+from ckptfs.tiers.base import Kind, NotEmptyYet, ObjectMeta, ObjectMissing, Tier
 from ckptfs.workqueue import WorkQueue
 
 if TYPE_CHECKING:
@@ -157,6 +165,8 @@ class Uploader:
         self._failures_in_a_row = 0
         self._outage_since: float | None = None
         self._probe_at = 0.0
+        # Items that last failed with NotEmptyYet: retried at the next deletion's success.
+        self._order_waits: set[WorkKey] = set()
         self._pending: WorkQueue[Work] = WorkQueue()
         self._inflight: dict[WorkKey, Work] = {}
         # Wake-ups: waiters take the current event, check the state, then wait on it; a change
@@ -466,7 +476,8 @@ class Uploader:
                 # wait for that item, which waits for it. Its copy steps aside to a parking
                 # key (no publication, so no order to keep); it moves on in its turn.
                 target, park, marker = self.keys.parking_key(work.key[1]), True, False
-            if self.keys.busy((target, source)):
+            deletion = work.key[0] == "tomb"
+            if self.keys.busy_around((target, source), deletion=deletion):
                 return False
             if marker and floor < work.seq:
                 return False
@@ -475,7 +486,7 @@ class Uploader:
                 self.coordinator.want(work.seq)  # its barrier wakes us when the nodes agree
                 return False
             work.target, work.source, work.park = target, source, park
-            self.keys.claim(work.key, (target, source))
+            self.keys.claim(work.key, (target, source), deletion=deletion)
             return True
 
         return self._pending.pick(now, take)
@@ -494,7 +505,16 @@ class Uploader:
         except NotFound:
             return None, None, False
         key = self.keys.key_of(row)
-        if key is None or not stat.S_ISREG(row.mode):
+        if key is None:
+            return None, None, False
+        if not stat.S_ISREG(row.mode):
+            # A symlink or special file put at a key a file still has to move away from
+            # would overwrite that file's copy (its only one, if evicted): rule 1 holds for
+            # every put. An entry never moves, so it only ever waits (no cycle through it).
+            blocker, _ = self.keys.blocker(row, key)
+            if blocker is not None:
+                self._wait_for(blocker, work, waits)
+                return None
             return key, None, False
         move = self.keys.is_move(row, key)
         upload = row.state in (State.STAGED, State.UPLOADING) and not row.incomplete
@@ -502,14 +522,18 @@ class Uploader:
             return key, None, False
         blocker, cycle = self.keys.blocker(row, key)
         if blocker is not None and not cycle:
-            waits[blocker.ino] = min(waits.get(blocker.ino, work.seq), work.seq)
-            if ("ino", blocker.ino) not in self._pending and \
-                    ("ino", blocker.ino) not in self._inflight:
-                self._queue(("ino", blocker.ino))  # its move is what we wait for
+            self._wait_for(blocker, work, waits)
             return None
         if cycle:
             return self.keys.parking_key(row.ino), row.remote_key, True
         return key, row.remote_key if move else None, False
+
+    def _wait_for(self, blocker: Row, work: Work, waits: dict[int, int]) -> None:
+        """``work`` waits for ``blocker`` to move away from the key it wants (rule 1)."""
+        waits[blocker.ino] = min(waits.get(blocker.ino, work.seq), work.seq)
+        if ("ino", blocker.ino) not in self._pending and \
+                ("ino", blocker.ino) not in self._inflight:
+            self._queue(("ino", blocker.ino))  # its move is what we wait for
 
     def _markers_last(self, rows: list[Row]) -> list[Row]:
         """``rows`` in their order, but every commit marker after every other entry."""
@@ -546,6 +570,8 @@ class Uploader:
                         self._store_is_back()
                     self._failures_in_a_row = 0
                     work.error = None
+                    if work.key[0] == "tomb":
+                        self._deleted_one()
             except Exception as exc:  # noqa: BLE001 - every failure is retried and reported
                 self._failed(work, exc)
             finally:
@@ -580,6 +606,17 @@ class Uploader:
                 work.not_before = now
                 self._pending.touch(work)
 
+    def _deleted_one(self) -> None:
+        """A key left the store: items waiting for a directory to empty (NotEmptyYet) may
+        go now, whatever their backoff says (each tries again once per deletion at most)."""
+        now = self._clock()
+        for key in self._order_waits:
+            work = self._pending.get(key)
+            if work is not None and work.not_before > now:
+                work.not_before = now
+                self._pending.touch(work)
+        self._order_waits.clear()
+
     def _backoff(self, attempts: int) -> float:
         """Seconds to wait after the ``attempts``-th failure in a row: doubling from
         BACKOFF_BASE to BACKOFF_MAX, with jitter (×0.5 to ×1.5)."""
@@ -591,9 +628,18 @@ class Uploader:
         delay = self._backoff(work.attempts)
         work.error = f"{type(exc).__name__}: {exc}"
         work.not_before = self._clock() + delay
-        transient = self.tier.is_transient(exc)
+        # A directory of a file tier with entries still in it: the item waits for their
+        # deletions (retried when one is done, see _deleted_one), and the store answered, so
+        # it is no sign of an outage: counting it as one would throttle every other item.
+        waiting = isinstance(exc, NotEmptyYet)
+        transient = not waiting and self.tier.is_transient(exc)
         self.stats.retries += 1
-        if not transient:
+        if waiting:
+            self._order_waits.add(work.key)
+            self._failures_in_a_row = 0
+            if self._outage_since is not None:
+                self._store_is_back()
+        elif not transient:
             self.stats.failures += 1
         else:
             self._failures_in_a_row += 1

@@ -814,9 +814,6 @@ def test_fsx_with_constant_relisting(mounter: Mounter, tmp_path: Path, umask: An
           remount_at=(steps // 2,), remount_after=True)
 
 
-@pytest.mark.xfail(strict=False, reason="stage 2 leaves stale directories on the file tier "
-                   "after directory renames, and a RENAME_EXCHANGE of a file with a symlink "
-                   "can leave the symlink's object at the file's key (reported to the lead)")
 @pytest.mark.parametrize("seed", _seeds((201,)))
 def test_fsx_warm_tier_after_umount(mounter: Mounter, tmp_path: Path, umask: Any,
                                     seed: int) -> None:

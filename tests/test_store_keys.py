@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from ckptfs.errors import NotFound
-from ckptfs.fs import RENAME_EXCHANGE
+from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER
 from ckptfs.journal import ROOT_INODE, State
 from ckptfs.keys import PARKING_PREFIX
 from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta, Progress
@@ -236,3 +236,24 @@ async def test_a_marker_moving_away_from_a_key_a_new_marker_wants_does_not_deadl
         await rig.settle()
     assert rig.files() == {"older/shard": b"s" * 1000, "older/.metadata": b"old meta",
                            "step/.metadata": b"new meta"}
+
+
+async def test_a_symlink_made_at_a_key_being_moved_away_waits_for_the_move(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``mv ckpt ckpt.prev`` of an evicted file, its move failing once (a transient error),
+    then a symlink made at ``ckpt``: its put (an empty object with its meta) must not
+    overwrite the only copy of the file before the move has copied it (rule 1 holds for
+    every put, not only a file's). Without it the move finds the symlink, and the file is
+    lost ("the only copy ... is gone", retried forever: hence the deadline)."""
+    await rig.write("ckpt", b"old" * 1000)
+    await rig.settle()
+    await _evict(rig, "ckpt")
+    rig.tier.fail_next = 1  # the move's HEAD
+    await rig.fs.rename(ROOT, b"ckpt", ROOT, b"ckpt.prev")
+    rig.fs.symlink(ROOT, b"ckpt", b"ckpt.prev", ROOT_CALLER)
+    with trio.fail_after(3600):  # trio time: the autojump clock makes it instant
+        await rig.settle()
+    assert not rig.uploader.failed()
+    assert rig.files() == {"ckpt.prev": b"old" * 1000}
+    assert rig.objects["ckpt"].meta.kind is Kind.SYMLINK
+    assert await _read(rig, "ckpt.prev") == b"old" * 1000

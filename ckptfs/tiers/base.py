@@ -21,6 +21,7 @@ Invariants every implementation keeps (tests/test_tier_contract.py checks them):
 - Every operation is idempotent (deleting a missing key succeeds), so replaying the journal
   after a crash is always safe.
 - Errors are ``StoreUnavailable`` (transient: retry later) or ``TierError`` (permanent);
+  ``NotEmptyYet`` (a ``StoreUnavailable``) when a file tier's directory still has entries;
   ``ObjectMissing`` for a missing key; ``PreconditionFailed`` when a conditional operation
   (``put_small`` with ``if_absent``/``if_tag``, ``copy`` with ``if_etag``) finds another
   version than the one named.
@@ -75,6 +76,13 @@ class TierError(StoreRefused):
 class PreconditionFailed(CkptfsError):
     """A conditional write (``put_small``) or a pinned ``copy`` found the object not as the
     caller expected: its tag is not the one given (the key was rewritten meanwhile)."""
+
+
+class NotEmptyYet(StoreUnavailable):
+    """A directory key (file tier) cannot be deleted, or replaced by a file, while entries
+    are still under it: an ordering wait for the deletions or moves of those entries, not a
+    sign that the store is down (it answered). A ``StoreUnavailable`` so that callers that
+    retry transient errors retry it; the uploader tells it apart (no outage gate)."""
 
 
 class ObjectMissing(CkptfsError):

@@ -48,6 +48,7 @@ from ckptfs.errors import StoreUnavailable
 from ckptfs.tiers.base import (
     Kind,
     LocalWriteFailed,
+    NotEmptyYet,
     ObjectInfo,
     ObjectMeta,
     ObjectMissing,
@@ -449,7 +450,7 @@ class FileTier(Tier):
             except OSError as exc:
                 if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     # The deletions of its old children are still queued: try again later.
-                    raise StoreUnavailable(f"{self.url}: {key} is not empty yet") from None
+                    raise NotEmptyYet(f"{self.url}: {key} is not empty yet") from None
                 # A file key that is now a directory (or the reverse) names something else,
                 # not ours to delete. (An object store keeps "x" and "x/" apart; a tree cannot.)
                 if exc.errno not in (errno.ENOTDIR, errno.EISDIR):
@@ -773,7 +774,7 @@ def _publish(dir_fd: int, tmp: str, name: str, key: str) -> None:
         except OSError as exc:
             if exc.errno == errno.ENOTEMPTY:
                 # The old directory's children are still queued for deletion: retry later.
-                raise StoreUnavailable(f"{key} is still a directory with entries") from None
+                raise NotEmptyYet(f"{key} is still a directory with entries") from None
             raise
     # rename(2) replaces a symlink at ``name`` itself; it never follows it.
     os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

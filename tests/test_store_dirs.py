@@ -1,0 +1,192 @@
+"""Directories on a file tier: removed and renamed directories leave nothing behind.
+
+A file tier (``file://``) differs from an object store in one way that matters here: it holds
+a directory wherever it holds a key beneath it (a put of ``d/x`` makes ``d``), and it cannot
+delete a directory that still has entries. ``TreeTier`` gives the memory tier exactly these
+two rules, so the interleavings run deterministically (autojump clock) without threads or a
+real directory. Each test fails without the rule it names (ckptfs/keys.py, rule 5; upload.py,
+``NotEmptyYet``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from ckptfs.errors import StoreUnavailable
+from ckptfs.fs import RENAME_EXCHANGE
+from ckptfs.journal import ROOT_INODE
+from ckptfs.tiers.base import Kind, NotEmptyYet, ObjectMeta, Progress
+from ckptfs.tiers.memory import MemoryTier
+from tests.test_upload import RecordingTier, Rig, open_rig
+
+ROOT = ROOT_INODE
+
+
+class TreeTier(RecordingTier):
+    """The memory tier with a file tier's directories: a write makes its parents, and a
+    directory with entries cannot be deleted (``NotEmptyYet``, as tiers/local.py raises).
+    ``put_delay`` seconds pass between the start of a put and the moment it makes its
+    parents (a slow tier); like a put in tiers/local.py's worker thread, a started put
+    cannot be cancelled."""
+
+    def __init__(self, inner: MemoryTier) -> None:
+        super().__init__(inner)
+        self.objects = inner.objects
+        self.put_delay = 0.0
+
+    def _make_parents(self, key: str) -> None:
+        parts = key.rstrip("/").split("/")[:-1]
+        for n in range(1, len(parts) + 1):
+            self.objects.setdefault(
+                "/".join(parts[:n]) + "/",
+                self.inner.objects.get("/".join(parts[:n]) + "/")  # type: ignore[attr-defined]
+                or _dir_object(self.inner))
+
+    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
+                       progress: Progress | None = None) -> str | None:
+        # Not called back once started: tiers/local.py puts in a worker thread.
+        with trio.CancelScope(shield=True):
+            await trio.sleep(self.put_delay)
+            self._make_parents(key)
+            return await super().put_file(key, source, size, meta, progress)
+
+    async def put_entry(self, key: str, meta: ObjectMeta) -> None:
+        self._make_parents(key)
+        await super().put_entry(key, meta)
+
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
+        self._make_parents(dst)
+        return await super().copy(src, dst, if_etag=if_etag)
+
+    async def delete(self, key: str) -> None:
+        if key.endswith("/") and any(k != key and k.startswith(key) for k in self.objects):
+            await trio.lowlevel.checkpoint()
+            raise NotEmptyYet(f"{key} is not empty yet")
+        await super().delete(key)
+
+
+def _dir_object(inner: MemoryTier) -> object:
+    """An implicit directory, as a file tier lists a directory nobody put a marker for."""
+    from ckptfs.tiers.memory import _Object
+    return _Object(b"", ObjectMeta(Kind.DIRECTORY, 0o755))
+
+
+@pytest.fixture
+async def tree(tmp_path: Path, request: pytest.FixtureRequest,
+               autojump_clock: trio.abc.Clock) -> AsyncIterator[Rig]:
+    inner = MemoryTier("warm", "memory://t", f"tree-{request.node.name}-{id(tmp_path)}")
+    inner.objects.clear()
+    async with open_rig(tmp_path, TreeTier(inner), inner) as opened:
+        yield opened
+
+
+def _store_dirs(rig: Rig) -> set[str]:
+    return {k for k, o in rig.objects.items()
+            if o.meta.kind is Kind.DIRECTORY and not k.startswith(".ckptfs/")}
+
+
+async def test_rmdir_while_a_file_in_it_uploads_leaves_no_directory(
+        tree: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``rm d/x; rmdir d`` while ``d/x`` is on its way: the deletion of ``d/`` must wait for
+    the upload (which makes ``d`` again on a file tier), or ``d`` stays in the store with no
+    tombstone to remove it (the stale directories of tests/test_fsx.py, seed 3)."""
+    tree.tier.put_delay = 5.0  # type: ignore[attr-defined]
+    await tree.write("d/x", b"x" * 1000)
+    await trio.sleep(1.0)  # d's marker is in the store; x's put is on its way
+    assert "d/" in tree.objects and "d/x" not in tree.objects
+    d = await tree.ino("d")
+    await tree.fs.unlink(d, b"x")
+    await tree.fs.rmdir(ROOT, b"d")
+    await tree.settle()
+    assert not tree.uploader.failed()
+    assert _store_dirs(tree) == set() and tree.files() == {}
+
+
+async def test_a_directory_not_empty_yet_is_no_outage(
+        tree: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``rm a/b/c/f; rmdir a/b/c a/b a`` and the deletion of ``f`` fails once (a transient
+    error): the directories' deletions run meanwhile and find them not empty. That is an
+    ordering wait (NotEmptyYet), retried once ``f`` is gone, never counted as a store outage,
+    which would let only one item at a time reach the store, on a growing backoff."""
+    await tree.write("a/b/c/f", b"f")
+    await tree.settle()
+    c = await tree.ino("a/b/c")
+    b = await tree.ino("a/b")
+    a = await tree.ino("a")
+    real_delete = tree.tier.delete
+    failed: list[str] = []
+
+    async def delete(key: str) -> None:
+        if key == "a/b/c/f" and not failed:
+            failed.append(key)
+            raise StoreUnavailable("injected failure (delete)")
+        await real_delete(key)
+
+    tree.tier.delete = delete  # type: ignore[method-assign]
+    outage_seen = False
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            nonlocal outage_seen
+            while True:
+                outage_seen = outage_seen or tree.uploader.outage() is not None
+                await trio.sleep(0.01)
+
+        nursery.start_soon(watch)
+        await tree.fs.unlink(c, b"f")
+        await tree.fs.rmdir(b, b"c")
+        await tree.fs.rmdir(a, b"b")
+        await tree.fs.rmdir(ROOT, b"a")
+        await tree.settle()
+        nursery.cancel_scope.cancel()
+    assert failed and tree.uploader.stats.retries >= 2  # the directories did wait for f
+    assert not outage_seen
+    assert _store_dirs(tree) == set() and tree.files() == {}
+    assert tree.uploader.stats.failures == 0
+
+
+@pytest.mark.parametrize("how", ["rename", "exchange", "remade"])
+async def test_a_directory_renamed_before_its_marker_was_put_leaves_nothing(
+        tree: Rig, autojump_clock: trio.abc.Clock, how: str) -> None:
+    """``a/s/f`` is uploaded (which makes ``a/`` and ``a/s/`` on a file tier) while the
+    markers of ``a`` and ``a/s`` wait for a retry; then ``a`` is renamed to ``b`` (or
+    exchanged with a directory ``b``, or renamed and a new ``a/h`` written at once). The old
+    directories must go, though no marker of theirs was ever put at their old keys (keys.py,
+    rule 6), and a new directory at the old name must stay."""
+    exchange = how == "exchange"
+    if exchange:
+        await tree.write("b/g", b"g")
+        await tree.settle()
+    real_put_entry = tree.tier.put_entry
+    failed: set[str] = set()
+
+    async def put_entry(key: str, meta: ObjectMeta) -> None:
+        if key.startswith("a/") and key not in failed:
+            failed.add(key)
+            raise StoreUnavailable(f"injected failure (put_entry {key})")
+        await real_put_entry(key, meta)
+
+    tree.tier.put_entry = put_entry  # type: ignore[method-assign]
+    await tree.write("a/s/f", b"f" * 100)
+    await trio.sleep(0.1)  # f is up, the markers wait for their retry
+    assert failed == {"a/", "a/s/"} and "a/s/f" in tree.objects
+    await tree.fs.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE if exchange else 0)
+    # In the rename's transaction: a crash now replays the deletion (requeue_from_journal).
+    assert "a/s/" in {key for _, key in tree.fs.journal.tombstones()}
+    if how == "remade":
+        tree.tier.put_entry = real_put_entry  # type: ignore[method-assign]
+        await tree.write("a/h", b"h")
+    await tree.settle()
+    assert not tree.uploader.failed()
+    if exchange:
+        assert tree.files() == {"b/s/f": b"f" * 100, "a/g": b"g"}
+        assert _store_dirs(tree) == {"a/", "b/", "b/s/"}
+    elif how == "remade":
+        assert tree.files() == {"b/s/f": b"f" * 100, "a/h": b"h"}
+        assert _store_dirs(tree) == {"a/", "b/", "b/s/"}
+    else:
+        assert tree.files() == {"b/s/f": b"f" * 100}
+        assert _store_dirs(tree) == {"b/", "b/s/"}
