@@ -57,6 +57,18 @@ The rules that follow (docs/SEMANTICS.md, "Store keys"):
    store it deletes a key that is usually absent; a key a live directory has since been
    committed to is kept (``may_delete``), and a marker put to it drops the tombstone.
 
+7. **A file and a directory of one name are one place.** A file tier keeps the object ``d``
+   and the directory ``d/`` (needed by ``d/`` itself and by every key beneath it) at one
+   path: putting the directory's marker replaces a file ``d`` (tiers/local.py
+   ``_make_directory``), and a file ``d`` cannot be published while ``d/`` holds entries.
+   So rule 1's wait looks at those keys too: whoever writes ``d/`` or ``d/x`` waits for a
+   file still to move away from ``d`` (``mv d t; mkdir d`` of an evicted file: the marker
+   would delete the only copy before the move took it). And a move whose source and target
+   nest (``mv d/x t; rmdir d; mv t d``, or ``mv d t; mkdir d; mv t d/x``) parks first, as a
+   ring does (rule 2): its own source is in its way, and it would be retried forever. On an
+   object store these keys do not collide; the wait and the extra copy are harmless there
+   and these renames rare.
+
 Interleavings of rules 5 and 6 (tests/test_store_dirs.py, over a memory tier that keeps a
 file tier's directories):
 
@@ -75,6 +87,13 @@ file tier's directories):
   the rename): on a file tier the directory's deletion fails (``NotEmptyYet``) until the
   sweep (upload.py ``_sweep``) has moved the file; a directory's tombstone deletes a
   directory key, never a file, and on an object store only the marker object.
+
+Interleavings of rule 7 (tests/test_store_dirs.py): ``mv d t; mkdir d`` while the move of
+the evicted ``d`` fails once (the marker put waits for the retried move); the two nesting
+renames, the first move failing once so that one move is left whose source is in its way
+(parked, then moved on); a crash after the park is journalled replays it as for a ring. Not
+covered: another node writing ``d/`` while this node moves a file away from ``d`` (claims are
+per node; the cross-node order is that of markers and sweeps, upload.py).
 
 Invariants: claims live in memory only; after a restart the journal (``uploading_key``,
 tombstones, ``remote_key``) is the whole truth, and ``Uploader.requeue_from_journal`` rebuilds
@@ -104,6 +123,16 @@ def _ancestors(key: str) -> Iterator[str]:
     while 0 <= end < len(key.rstrip("/")):
         yield key[:end + 1]
         end = key.find("/", end + 1)
+
+
+def _same_place(key: str) -> Iterator[str]:
+    """``key``, then the file keys a file tier keeps where ``key`` needs a directory: "a"
+    and "a/b" for "a/b/c"; "a" for "a/" (a file and a directory cannot share a name)."""
+    yield key
+    for parent in _ancestors(key):
+        yield parent.rstrip("/")
+    if key.endswith("/"):
+        yield key.rstrip("/")
 
 
 class KeyClaims:
@@ -176,18 +205,29 @@ class KeyClaims:
                 and key is not None and row.remote_key != key)
 
     def mover_at(self, key: str, but: int) -> Row | None:
-        """A file other than ``but`` whose committed copy is at ``key`` and still has to be
-        moved away from it (rule 1: whoever writes ``key`` waits for it)."""
-        for ino in self.journal.holders_of(key):
-            if ino == but:
-                continue
-            try:
-                row = self.ns.get(ino)
-            except NotFound:
-                continue
-            if self.is_move(row, self.key_of(row)):
-                return row
+        """A file other than ``but`` whose committed copy is at ``key``, or at a key a file
+        tier keeps in the same place as a directory ``key`` needs (rule 7), and still has to
+        be moved away from it (rule 1: whoever writes ``key`` waits for it)."""
+        for place in _same_place(key):
+            for ino in self.journal.holders_of(place):
+                if ino == but:
+                    continue
+                try:
+                    row = self.ns.get(ino)
+                except NotFound:
+                    continue
+                if self.is_move(row, self.key_of(row)):
+                    return row
         return None
+
+    @staticmethod
+    def nested(target: str, source: str | None) -> bool:
+        """Whether a move from ``source`` to ``target`` must park first (rule 7): one key is
+        the other's directory, so on a file tier the move's own source is in its way."""
+        if source is None:
+            return False
+        return (source.startswith(target.rstrip("/") + "/")
+                or target.startswith(source.rstrip("/") + "/"))
 
     def blocker(self, row: Row, key: str) -> tuple[Row | None, bool]:
         """What writing ``row`` to ``key`` waits for: the mover at ``key`` (or None), and

@@ -524,7 +524,7 @@ class Uploader:
         if blocker is not None and not cycle:
             self._wait_for(blocker, work, waits)
             return None
-        if cycle:
+        if cycle or (move and self.keys.nested(key, row.remote_key)):
             return self.keys.parking_key(row.ino), row.remote_key, True
         return key, row.remote_key if move else None, False
 

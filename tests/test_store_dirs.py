@@ -17,10 +17,11 @@ import pytest
 import trio
 
 from ckptfs.errors import StoreUnavailable
-from ckptfs.fs import RENAME_EXCHANGE
+from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER
 from ckptfs.journal import ROOT_INODE
 from ckptfs.tiers.base import Kind, NotEmptyYet, ObjectMeta, Progress
 from ckptfs.tiers.memory import MemoryTier
+from tests.test_store_keys import _evict, _read
 from tests.test_upload import RecordingTier, Rig, open_rig
 
 ROOT = ROOT_INODE
@@ -39,26 +40,44 @@ class TreeTier(RecordingTier):
         self.put_delay = 0.0
 
     def _make_parents(self, key: str) -> None:
-        parts = key.rstrip("/").split("/")[:-1]
-        for n in range(1, len(parts) + 1):
+        for parent in _parents(key):
             self.objects.setdefault(
-                "/".join(parts[:n]) + "/",
-                self.inner.objects.get("/".join(parts[:n]) + "/")  # type: ignore[attr-defined]
+                parent, self.inner.objects.get(parent)  # type: ignore[attr-defined]
                 or _dir_object(self.inner))
+
+    def _make_way(self, key: str, meta_kind: Kind) -> None:
+        """What tiers/local.py does at a write of ``key``: its parents must be directories
+        (a file where one is needed fails the put, a transient error there); a directory is
+        made over a file or symlink of its name (``_make_directory`` unlinks it); anything
+        else replaces an empty directory of its name and is refused by one with entries."""
+        for parent in _parents(key):
+            found = self.objects.get(parent.rstrip("/"))
+            if found is not None and found.meta.kind is not Kind.DIRECTORY:
+                raise StoreUnavailable(f"{parent.rstrip('/')} is not a directory")
+        if meta_kind is Kind.DIRECTORY:
+            self.objects.pop(key.rstrip("/"), None)
+            return
+        folder = key + "/"
+        if any(k != folder and k.startswith(folder) for k in self.objects):
+            raise NotEmptyYet(f"{key} is still a directory with entries")
+        self.objects.pop(folder, None)
 
     async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
                        progress: Progress | None = None) -> str | None:
         # Not called back once started: tiers/local.py puts in a worker thread.
         with trio.CancelScope(shield=True):
             await trio.sleep(self.put_delay)
+            self._make_way(key, Kind.FILE)
             self._make_parents(key)
             return await super().put_file(key, source, size, meta, progress)
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
+        self._make_way(key, meta.kind)
         self._make_parents(key)
         await super().put_entry(key, meta)
 
     async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
+        self._make_way(dst, Kind.FILE)
         self._make_parents(dst)
         return await super().copy(src, dst, if_etag=if_etag)
 
@@ -67,6 +86,12 @@ class TreeTier(RecordingTier):
             await trio.lowlevel.checkpoint()
             raise NotEmptyYet(f"{key} is not empty yet")
         await super().delete(key)
+
+
+def _parents(key: str) -> list[str]:
+    """The directory keys above ``key``: ["a/", "a/b/"] for "a/b/c"."""
+    parts = key.rstrip("/").split("/")[:-1]
+    return ["/".join(parts[:n]) + "/" for n in range(1, len(parts) + 1)]
 
 
 def _dir_object(inner: MemoryTier) -> object:
@@ -190,3 +215,69 @@ async def test_a_directory_renamed_before_its_marker_was_put_leaves_nothing(
     else:
         assert tree.files() == {"b/s/f": b"f" * 100}
         assert _store_dirs(tree) == {"b/", "b/s/"}
+
+
+# -- a file and a directory of one name (keys.py, rule 7) -------------------------------------
+
+
+async def test_a_directory_made_where_a_file_moves_away_waits_for_the_move(
+        tree: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``mv d t; mkdir d`` of an evicted file ``d`` whose move fails once: on a file tier the
+    directory's marker put replaces a file of its name (tiers/local.py ``_make_directory``),
+    so it must wait until the file's only copy has moved to ``t``."""
+    await tree.write("d", b"D" * 1000)
+    await tree.settle()
+    await _evict(tree, "d")
+    tree.tier.fail_next = 1  # the move's first store call
+    await tree.fs.rename(ROOT, b"d", ROOT, b"t")
+    tree.fs.mkdir(ROOT, b"d", 0o755, ROOT_CALLER)
+    with trio.fail_after(3600):  # trio time: the autojump clock makes it instant
+        await tree.settle()
+    assert not tree.uploader.failed()
+    assert tree.files() == {"t": b"D" * 1000}
+    assert _store_dirs(tree) == {"d/"}
+    assert await _read(tree, "t") == b"D" * 1000
+
+
+@pytest.mark.parametrize("how", ["into_its_old_directory", "beneath_its_old_key"])
+async def test_a_file_moved_onto_its_own_directory_key_gets_there(
+        tree: Rig, autojump_clock: trio.abc.Clock, how: str) -> None:
+    """``mv d/x t; rmdir d; mv t d`` (the file's new key is its old key's directory) and
+    ``mv d t; mkdir d; mv t d/x`` (its new key is beneath its old key), the file evicted:
+    on a file tier the move cannot publish while its own source is in the way (``d`` still
+    a directory holding ``d/x``; ``d`` still a file where ``d/`` must be). It parks first
+    (keys.py, rule 7); without that it is retried forever."""
+    if how == "into_its_old_directory":
+        await tree.write("d/x", b"X" * 1000)
+        await tree.settle()
+        await _evict(tree, "d/x")
+        d = await tree.ino("d")
+        real_copy = tree.tier.copy
+        failed: list[str] = []
+
+        async def copy(src: str, dst: str, *, if_etag: str | None = None) -> str | None:
+            if not failed:  # the first move fails once: one move d/x -> d is left
+                failed.append(dst)
+                raise StoreUnavailable("injected failure (copy)")
+            return await real_copy(src, dst, if_etag=if_etag)
+
+        tree.tier.copy = copy  # type: ignore[method-assign]
+        await tree.fs.rename(d, b"x", ROOT, b"t")
+        await tree.fs.rmdir(ROOT, b"d")
+        await tree.fs.rename(ROOT, b"t", ROOT, b"d")
+        want_files, want_dirs, path = {"d": b"X" * 1000}, set(), "d"
+    else:
+        await tree.write("d", b"X" * 1000)
+        await tree.settle()
+        await _evict(tree, "d")
+        tree.tier.fail_next = 1  # the first move fails once: one move d -> d/x is left
+        await tree.fs.rename(ROOT, b"d", ROOT, b"t")
+        d = tree.fs.mkdir(ROOT, b"d", 0o755, ROOT_CALLER).ino
+        await tree.fs.rename(ROOT, b"t", d, b"x")
+        want_files, want_dirs, path = {"d/x": b"X" * 1000}, {"d/"}, "d/x"
+    with trio.fail_after(3600):
+        await tree.settle()
+    assert not tree.uploader.failed()
+    assert tree.files() == want_files
+    assert _store_dirs(tree) == want_dirs
+    assert await _read(tree, path) == b"X" * 1000
