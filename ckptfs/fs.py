@@ -1071,24 +1071,30 @@ class Filesystem:
         if not force_evict and self.space.try_take(nbytes):
             return
         started = trio.current_time()
+        deadline = started + self.write_stall_timeout
         try:
             hurried = -math.inf
-            with trio.move_on_after(self.write_stall_timeout):
-                while True:
-                    await self._evict(nbytes)
-                    if self.space.try_take(nbytes):
-                        return
-                    self._log_stall(nbytes)
-                    if self._frees_in_flight:
-                        # An eviction or a removal is unlinking: its space comes back when it
-                        # returns, which is no upload progress.
-                        await self._space_freed.park()
-                        continue
-                    # hurry() wakes every waiter: two writers waiting here, each hurrying at
-                    # each wake-up, would wake each other forever without a pause.
-                    if trio.current_time() - hurried >= HURRY_EVERY:
-                        hurried = trio.current_time()
-                        self.listener.hurry()
+            while True:
+                await self._evict(nbytes)
+                if self.space.try_take(nbytes):
+                    return
+                self._log_stall(nbytes)
+                if self._frees_in_flight:
+                    # An eviction or a removal is unlinking: its space comes back when it
+                    # returns, which is no upload progress. No deadline on this wait: it is
+                    # bounded by the unlink, and ENOSPC while room is being made would be
+                    # wrong (and under a test's autojump clock, the idle loop would leap to
+                    # the deadline while the unlink runs in its thread).
+                    await self._space_freed.park()
+                    continue
+                if trio.current_time() >= deadline:
+                    break
+                # hurry() wakes every waiter: two writers waiting here, each hurrying at
+                # each wake-up, would wake each other forever without a pause.
+                if trio.current_time() - hurried >= HURRY_EVERY:
+                    hurried = trio.current_time()
+                    self.listener.hurry()
+                with trio.move_on_at(deadline):
                     await self.listener.wait_progress()
         finally:
             self.stall_seconds += trio.current_time() - started
