@@ -443,7 +443,7 @@ class Filesystem:
             if self.lister is not None and row.remote_key is not None and \
                     row.state in (State.REMOTE, State.COMMITTED) and name not in (b".", b".."):
                 # A view of a remote object: another node may have replaced or removed it.
-                await self.lister.refresh(self.ns.get(parent))
+                await self.lister.check_entry(self.ns.get(parent), row)
                 row = self.ns.lookup(parent, name)
         self.ns.remember(row.ino)
         return row

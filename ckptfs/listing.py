@@ -36,6 +36,11 @@ Invariants:
   at most ``STALE_WAIT`` before it answers from the journal. Only the first listing of a
   directory since the mount is waited for in full (a fresh node knows nothing else). The
   root is listed at mount time.
+- A lookup in a directory the journal knows but that was not listed since the mount (a
+  remount) costs O(1), not a listing of the directory: a clean regular file at the key of
+  its path is checked with one HEAD (``check_entry``); only the same tag and storage class,
+  with nothing of the row changed meanwhile, lets it stand without the listing, which
+  decides everything else.
 - Concurrent refreshes of one directory share one listing. Metadata the listing lacks (S3
   lists only key, size and tag) is read with HEADs, concurrently, and only for new or changed
   objects, and for special files, whose empty objects keep their tag when only their
@@ -82,6 +87,13 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_FAILURE = 2.0  # seconds before a failed listing is tried again
 STALE_WAIT = 1.0  # the longest a lookup waits for the refresh of a stale listing
 HEAD_CONCURRENCY = 16
+# A lookup in a directory not listed since the mount checks its entry with one HEAD; after
+# this many, the directory is listed instead. A listing costs about one HEAD on S3 (a small
+# directory) and tens of them on a file tier (its merge, per entry), so a directory whose
+# every file is looked up pays at most this many HEADs more than before (the first time
+# after a remount), and a lookup here and there in many directories one HEAD each.
+HEADS_BEFORE_LISTING = 8
+ENTRY_FRESH_MAX = 100_000  # entries checked alone that are remembered at once (then pruned)
 
 
 def refusal(name: str) -> str | None:
@@ -128,11 +140,85 @@ class Lister:
         self._refused_seen: set[str] = set()
         self.listings = 0
         self.heads = 0
+        # Regular files of directories not listed since the mount, checked one HEAD each
+        # (``check_entry``): until when each is current, and how many were checked per
+        # directory.
+        self._entry_fresh: dict[int, float] = {}
+        self._entry_heads: dict[int, int] = {}
+        self.entry_heads = 0
 
     def created(self, ino: int) -> None:
         """A directory made here: nothing of it can be in the store yet (until the ttl)."""
         self._listed.add(ino)
         self._fresh_until[ino] = self._clock() + self.ttl
+
+    async def check_entry(self, directory: Row, row: Row) -> None:
+        """Before a lookup answers with ``row``, an entry of ``directory`` that is a view of
+        a remote object: make it as current as a listing would (another node may have
+        replaced or removed the object).
+
+        In a directory listed since the mount (or being listed) that is ``refresh``. In one
+        not listed yet, which only a remount over a journal that knows it has, a regular
+        file is checked alone with one HEAD of its key (O(1): a first listing of every
+        directory a lookup touches would cost the whole directory each, issue 19): the same
+        tag and storage class is what the listing would find, so the row stands, fresh for
+        the ttl. Anything else (changed, missing, refused, the store down, a hard link, not
+        a regular file) lists the directory as before; so does every such hit in one
+        directory after ``HEADS_BEFORE_LISTING`` of them (one listing then costs less than
+        more HEADs)."""
+        ino = directory.ino
+        now = self._clock()
+        if ino in self._listed or ino in self._inflight or \
+                self._fresh_until.get(ino, 0.0) > now or not self._checkable(directory, row):
+            await self.refresh(directory)
+            return
+        if self._entry_fresh.get(row.ino, 0.0) > now:
+            return
+        if self._entry_heads.get(ino, 0) >= HEADS_BEFORE_LISTING:
+            await self.refresh(directory)
+            return
+        self._entry_heads[ino] = self._entry_heads.get(ino, 0) + 1
+        key, etag, storage_class = row.remote_key, row.remote_etag, row.storage_class
+        assert key is not None
+        self.entry_heads += 1
+        try:
+            info: ObjectInfo | None = await self.tier.head(key)
+        except (ObjectMissing, StoreUnavailable, TierError):
+            info = None
+        # Nothing of the row may have changed meanwhile (an open for writing, a rename, an
+        # upload, a listing of the directory), else the listing decides.
+        archived = info.storage_class if info is not None and \
+            info.storage_class in ARCHIVE_CLASSES else None
+        if info is not None and info.etag == etag and archived == storage_class and \
+                self._checkable(directory, row) and \
+                (row.remote_key, row.remote_etag, row.storage_class) == \
+                (key, etag, storage_class) and self._still_entry(ino, row):
+            if len(self._entry_fresh) >= ENTRY_FRESH_MAX:
+                self._entry_fresh = {i: t for i, t in self._entry_fresh.items() if t > now}
+            self._entry_fresh[row.ino] = self._clock() + self.ttl
+            return
+        await self.refresh(directory)
+
+    def _still_entry(self, parent: int, row: Row) -> bool:
+        """Whether ``row`` is still the entry of its name in ``parent``, the only owner of its
+        key."""
+        found = self.journal.lookup(parent, row.name or b"")
+        return found is not None and found.ino == row.ino and \
+            self.journal.holders_of(row.remote_key or "") == [row.ino]
+
+    def _checkable(self, directory: Row, row: Row) -> bool:
+        """Whether one HEAD can tell if ``row``, an entry of ``directory``, is current: a
+        clean regular file with a tag, at the key of its path (not being moved there), a key
+        nobody is deleting, hiding or copying to."""
+        key = row.remote_key
+        if key is None or row.remote_etag is None or row.link_of is not None or \
+                row.name is None or not stat.S_ISREG(row.mode) or not self._clean(row, key):
+            return False
+        path = self.journal.path_of(directory.ino)
+        if path is None or key != (os.fsdecode(path) + "/" if path else "") + \
+                os.fsdecode(row.name):
+            return False
+        return not self.keys.busy([key]) and not self.journal.is_hidden(key)
 
     async def refresh(self, directory: Row, *, wait: float | None = None,
                       current: bool = False) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.listing import HEADS_BEFORE_LISTING
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta
 from ckptfs.tiers.faulty import FaultyTier
@@ -566,3 +568,62 @@ async def test_the_nodes_shared_state_is_not_an_entry(
         with pytest.raises(errors.NotPermitted):
             await a.fs.rename(ROOT_INODE, b"step_1", ROOT_INODE, b".ckptfs")
         a.fs.mkdir((await a.resolve("step_1")).ino, b".ckptfs", 0o755, ROOT_CALLER)  # elsewhere: ok
+
+
+async def test_a_lookup_after_a_remount_checks_its_entry_not_the_whole_directory(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """Issue 19: a remount over the same staging knows every entry, but no directory counts
+    as listed; the first lookup in each directory listed all of it (store and journal work
+    O(files in it), per directory touched). A committed file is checked with one HEAD of its
+    key; a directory is listed after ``HEADS_BEFORE_LISTING`` such checks."""
+    dirs, per_dir = 6, 2 * HEADS_BEFORE_LISTING
+    await publish(tmp_path / "a", store, {f"d{d}/f{f:02d}": bytes([d, f])
+                                          for d in range(dirs) for f in range(per_dir)})
+    async with node(tmp_path / "a", store) as a:
+        before = Counter(a.tier.calls)
+        for d in range(dirs):
+            assert (await a.resolve(f"d{d}/f03")).size == 2
+        calls = a.tier.calls - before
+        # The root's listing (its directories are entries of a directory not listed since
+        # the mount: not checked alone), then one HEAD per file; no listing of d0..d5.
+        assert (calls["list"], calls["head"]) == (1, dirs)
+        assert a.fs.lister is not None and a.fs.lister.entry_heads == dirs
+        before = Counter(a.tier.calls)
+        for d in range(dirs):  # within the ttl: nothing asks the store again
+            await a.resolve(f"d{d}/f03")
+        assert a.tier.calls - before == Counter()
+        before = Counter(a.tier.calls)
+        for f in range(per_dir):
+            await a.resolve(f"d0/f{f:02d}")
+        calls = a.tier.calls - before
+        # d0 had one check; HEADS_BEFORE_LISTING - 1 more, then its listing covers the rest.
+        assert (calls["list"], calls["head"]) == (1, HEADS_BEFORE_LISTING - 1)
+        assert await a.read("d0/f05") == bytes([0, 5])
+
+
+async def test_what_another_node_changed_during_a_remount_shows_at_the_first_lookup(
+    tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
+) -> None:
+    """The HEAD of a known entry (above) never answers for a changed object: a new version,
+    a deletion or a file turned directory by another node while this one was unmounted lists
+    the directory, which decides as before."""
+    await publish(tmp_path / "a", store, {"d/new": b"1", "d/gone": b"2", "d/kind": b"3",
+                                          "d/same": b"4"})
+    async with node(tmp_path / "b", store) as b:
+        await b.write("d/new", b"version 2")
+        await b.fs.unlink((await b.resolve("d")).ino, b"gone")
+        await b.fs.unlink((await b.resolve("d")).ino, b"kind")
+        await b.write("d/kind/inside", b"5")
+        await b.sync()
+    async with node(tmp_path / "a", store) as a:
+        assert (await a.resolve("d/same")).size == 1
+        assert a.fs.lister is not None and a.fs.lister.entry_heads == 1
+        assert await a.read("d/new") == b"version 2"
+        # Written and still held here: the listing uploads it again (a listing never drops
+        # the only copy; semantics), which only the listing, not a HEAD, decides.
+        assert (await a.resolve("d/gone")).size == 1
+        await a.sync()
+        assert store_named(store)["d/gone"].body == b"2"
+        assert stat.S_ISDIR((await a.resolve("d/kind")).mode)
+        assert await a.read("d/kind/inside") == b"5"
