@@ -50,7 +50,7 @@ import fnmatch
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -460,15 +460,24 @@ def journal_files(rows_of: RowSource) -> tuple[list[LocalFile], list[str]]:
     included: a checkpoint directory with no file yet is being written), from the namespace."""
     files: list[LocalFile] = []
     names: list[str] = []
-    for top in rows_of.children(ROOT_INODE, 0):
-        assert top.name is not None
-        name = os.fsdecode(top.name)
-        _walk(rows_of, top, name, files, names)
+    for _ in walk_journal(rows_of, files, names):
+        pass
     return files, names
 
 
+def walk_journal(rows_of: RowSource, files: list[LocalFile], names: list[str]
+                 ) -> Iterator[None]:
+    """``journal_files`` one entry at a time: fills ``files`` and ``names`` and yields after
+    each entry, so that a caller on the trio thread can let other tasks run between entries
+    (retention.py: then it must check that nothing moved meanwhile, ``Namespace.moves``)."""
+    for top in rows_of.children(ROOT_INODE, 0):
+        assert top.name is not None
+        name = os.fsdecode(top.name)
+        yield from _walk(rows_of, top, name, files, names)
+
+
 def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile],
-          names: list[str]) -> None:
+          names: list[str]) -> Iterator[None]:
     names.append(key)
     if stat.S_ISREG(row.mode):
         # A row the store listing added has no closed_at: its committed_at is when it was
@@ -477,10 +486,11 @@ def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile],
         out.append(LocalFile(key, row.ino, row.size, row.state, row.incomplete, committed,
                              row.checksum, rows_of.open_count(row.link_of or row.ino) > 0,
                              row.mtime_ns / 1e9 if row.mtime_ns else None, row.closed_at))
-    elif stat.S_ISDIR(row.mode):
+    yield
+    if stat.S_ISDIR(row.mode):
         for child in rows_of.children(row.ino, 0):
             assert child.name is not None
-            _walk(rows_of, child, key + "/" + os.fsdecode(child.name), out, names)
+            yield from _walk(rows_of, child, key + "/" + os.fsdecode(child.name), out, names)
 
 
 class RowSource(Protocol):

@@ -76,6 +76,10 @@ class Namespace:
         self._opens: dict[int, int] = {}
         self._dirty: set[int] = set()
         self._linked: dict[int, int] = journal.linked_heads()
+        # Bumped whenever an existing entry changes place (rename, exchange, a head taking
+        # its alias's name): a walk of the tree that let other tasks run between entries
+        # (retention.py) is consistent only if this did not change meanwhile.
+        self.moves = 0
 
     # -- reading --------------------------------------------------------------------------
 
@@ -333,6 +337,7 @@ class Namespace:
                 place = (heir.parent, heir.name)
                 self._forget_alias(heir)  # frees the (parent, name) slot for the head
                 head.parent, head.name = place
+                self.moves += 1
                 if adopt:
                     # The alias's object becomes the head's: same version, same bytes.
                     head.remote_key, head.remote_etag = heir.remote_key, heir.remote_etag
@@ -406,6 +411,7 @@ class Namespace:
                 self._detach(dst)
             self._touch_dir(self.get(old_parent), now)
             src.parent, src.name, src.ctime_ns = new_parent, new_name, now
+            self.moves += 1
             self.persist(src)
             self._touch_dir(dst_dir, now)
         return src, dst
@@ -413,6 +419,7 @@ class Namespace:
     def _exchange(self, a: Row, b: Row) -> tuple[Row, Row]:
         now = time.time_ns()
         a_place, b_place = (a.parent, a.name), (b.parent, b.name)
+        self.moves += 1
         with self.journal.transaction():
             a.parent, a.name = None, None  # free the (parent, name) slot for b
             self.persist(a)

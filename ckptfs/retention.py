@@ -6,8 +6,10 @@ Two parts:
 - ``Retention`` collects the checkpoints from the namespace and the tiers' listings (every
   node's checkpoints; checkpoints.py says what a checkpoint is and when it is complete),
   applies a plan (copy, verify, then remove), and runs as a task in the mount's nursery:
-  every ``retention_interval`` and after the uploader went idle following a commit. Of the
-  nodes sharing a store, only the holder of the retention lease (lease.py) applies.
+  after the uploader went idle following a commit (a local round), and every
+  ``retention_interval`` (the whole store), the first time one interval after the start, not
+  at the start (``Retention.run``). Of the nodes sharing a store, only the holder of the
+  retention lease (lease.py) applies.
 
 Selection, per tier (the union of its rules; complete checkpoints only, but for milestones):
 - ``last = N``: the N highest steps;
@@ -43,6 +45,46 @@ Besides the rules:
 - the journal learns the storage class of this node's files on the warm tier's prefix from
   every transition it verifies and from every run's listing (an evicted file in an archive
   class reads ``archived``): only a row still pointing at that object with the same bytes.
+
+A round lets the loop run (issue 19): the journal is walked ``YIELD_EVERY`` entries at a time,
+the listings processed likewise, and the pure parts (the checkpoints, the plan, the report)
+run in a worker thread on values the round owns (never the journal: it is trio-thread only).
+Interleavings this allows, and why none of them deletes or evicts what must stay:
+- *Anything between the inventory and an action* (a write, an open, a rename, an upload, a
+  fetch) could already happen before: every store request of a round awaited. The plan is
+  made from a snapshot; what an action relies on is checked again when it starts, in the same
+  synchronous stretch as its first change: an eviction checks that no file of the checkpoint
+  is open, takes only rows that are COMMITTED with a store key and not open, and marks them
+  REMOTE before its first await (``Filesystem._mark_evicted``); a deletion checks open files,
+  then ``_forget`` checks each file again just before its unlink; a copy from NVMe re-reads
+  the row (REMOTE: refused) and checks the checksum of what it reads; an action under the
+  lease starts only while the lease is valid; the journal learns a storage class only for a
+  row read afresh that still names the listed object with the same bytes.
+- *A walk of the journal with pauses* could see a state the tree never was in: an entry moved
+  (rename, exchange, a head taking its alias's name) from a part not walked yet to one walked
+  already is missed, one moved the other way is seen twice (a phantom checkpoint could push a
+  real one out of ``last N``). ``Namespace.moves`` counts such moves: a walk during which it
+  changed is thrown away and walked again, and after ``WALK_TRIES`` spoilt walks once without
+  pauses. Entries created or removed during a walk are seen or not, as if the walk had been
+  made just before or just after them: what a walk without pauses made a moment earlier or
+  later would see.
+- *A crash* in a pause is a crash between two steps of the applier as before: the order of
+  each action's steps is unchanged (a deletion: the namespace, the retirement record, then
+  the store, markers first; a removal: the retirement record, markers first; a copy: markers
+  last, verified), and the next round plans again from what is there.
+- *Another node holding the lease*: unchanged. A local round evicts only this node's NVMe
+  copies of checkpoints a store tier holds (no lease needed), an interval round skips when
+  another node holds it; the renewals of a lease held run beside a round's pauses, which
+  only helps them.
+- *A retry*: failed actions are retried by the next round; an interval round that failed
+  (the store unreachable) is tried again one interval later; ``ckptfs retention --apply``
+  during a round waits for it (one round at a time: ``_lock``).
+- *An unmount* during a worker thread's computation waits for it (no abandoned threads; it
+  writes nothing).
+- *Deferring the first interval round* never makes a round do anything it would not have
+  done: it only happens later. What a restart delays by up to one interval (copies to colder
+  tiers, removals, deletions of what no node's NVMe has) stays where it is meanwhile; a full
+  staging disk evicts by itself (fs.py), and every commit still brings its local round.
 """
 
 from __future__ import annotations
@@ -72,6 +114,7 @@ from ckptfs.checkpoints import (
     is_marker_key,
     journal_files,
     settle,
+    walk_journal,
 )
 from ckptfs.config import Config, KeepRules, TierConfig
 from ckptfs.coordination import NODES, retired_key
@@ -88,6 +131,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEAD_CONCURRENCY = 16  # HEADs in flight while collecting the objects the journal does not know
+# Work on the trio thread lets other tasks (FUSE requests) run after this many items (journal
+# rows, listed objects): a round over 40,000 files held the loop for up to two seconds.
+YIELD_EVERY = 256
+WALK_TRIES = 3  # walks of the journal that may be spoiled by a move before one without pauses
 
 HOUR, DAY, WEEK = 3600, 86400, 7 * 86400
 _MONDAY = 4 * DAY  # 1970-01-05 was a Monday: weeks start there
@@ -550,12 +597,11 @@ class Retention:
         if journal is not None:  # just read by the caller (``_local_round``)
             files, names = journal
         elif self.fs is not None:
-            files, names = journal_files(self.fs.ns)
+            files, names = await self._journal_files()
         name_of = self.detector.name_of
-        if only is not None:
-            files = [f for f in files if name_of(f.key) in only]
-            names = [n for n in names if name_of(n) in only]
-        known = {name_of(f.key) for f in files}
+        # A checkpoint name per journal file: pure, and a regular expression each (at 40,000
+        # files, a quarter of a second): in a worker thread.
+        files, names, known = await trio.to_thread.run_sync(self._of_only, files, names, only)
         remote: dict[str, list[RemoteFile]] = {t: [] for t in self.tiers}
         locations: dict[str, list[TierPolicy]] = {}
         for t in self.policy.tiers:
@@ -567,7 +613,9 @@ class Retention:
         for location, members in locations.items():
             infos = await self._list(self.tiers[members[0].name], only,
                                      location == self._warm().location)
-            for info in infos:
+            for count, info in enumerate(infos, 1):
+                if count % YIELD_EVERY == 0:
+                    await trio.lowlevel.checkpoint()
                 if info.key.endswith("/") or info.meta.kind is Kind.DIRECTORY:
                     continue
                 if info.key.startswith(NODES) and location == self._warm().location:
@@ -582,29 +630,61 @@ class Retention:
                     heads.append((len(listed), owner.name, info))
                 listed.append((owner.name, info, meta))
         await self._head_all(heads, listed)
+        # The pins after the objects (pins.py): a restored object listed above was promoted
+        # after its pin was written, so the pin is in this later listing.
+        warm_pins = await store_pins(self.tiers[self._warm().name])
+        here = local_pins(self.fs.journal) if self.fs is not None else []
+        progress = dict(self.upload_progress()) if self.upload_progress else {}
+        others = sorted(registered - {self.node} if self.node else registered)
+        # The rest is pure computation on values this task owns (no journal, no tier): in a
+        # worker thread, so that the loop answers FUSE requests meanwhile.
+        return await trio.to_thread.run_sync(
+            self._snapshot, files, names, listed, remote, warm_pins, here, progress, others,
+            now)
+
+    def _snapshot(self, files: list[LocalFile], names: list[str],
+                  listed: Sequence[tuple[str, ObjectInfo, ObjectMeta | None]],
+                  remote: dict[str, list[RemoteFile]], warm_pins: list[Pin],
+                  here: list[Pin], progress: Mapping[str, float], others: Sequence[str],
+                  now: float) -> Snapshot:
+        """The checkpoints of one ``collect`` from what it gathered. Pure (runs in a worker
+        thread): it reads only its arguments and the immutable policy and detector."""
         for owner_name, info, meta in listed:
             remote[owner_name].append(RemoteFile(
                 info.key, info.size, meta.checksum if meta else None,
                 meta.mtime_ns / 1e9 if meta and meta.mtime_ns else None,
                 info.storage_class, info.restore_state == "ongoing", info.etag,
                 special=meta is not None and meta.kind is Kind.SPECIAL))
-        # The pins after the objects (pins.py): a restored object listed above was promoted
-        # after its pin was written, so the pin is in this later listing.
-        warm_pins = await store_pins(self.tiers[self._warm().name])
-        here = local_pins(self.fs.journal) if self.fs is not None else []
-        progress = dict(self.upload_progress()) if self.upload_progress else {}
         checkpoints = build(files, remote, step_regex="", detector=self.detector,
                             markers=self.markers, tier_order=self.policy.names,
                             local_entries=names, progress=progress,
                             locations={t.name: t.location for t in self.policy.tiers})
         checkpoints = settle(
             checkpoints, after=-1.0 if self.settle is None else self.settle, now=now,
-            other_writers=sorted(registered - {self.node} if self.node else registered))
+            other_writers=others)
         checkpoints = [self._pinned(c, warm_pins, here, now) for c in checkpoints]
         tier_bytes = {t: sum(r.size for r in remote[t]) for t in remote}
         tier_bytes[HOT] = sum(f.size for f in files if f.local)
         return Snapshot(checkpoints, {f.key: f for f in files}, remote, tier_bytes, now,
                         warm_pins, here)
+
+    async def _journal_files(self) -> tuple[list[LocalFile], list[str]]:
+        """``journal_files`` of this node's namespace, letting other tasks run every
+        ``YIELD_EVERY`` entries. A walk during which an entry moved (``Namespace.moves``) may
+        have seen it twice or not at all (a state the tree never was in), so it is thrown
+        away; after ``WALK_TRIES`` such walks, one walk without pauses."""
+        assert self.fs is not None
+        ns = self.fs.ns
+        for _ in range(WALK_TRIES):
+            moves = ns.moves
+            files: list[LocalFile] = []
+            names: list[str] = []
+            for count, _ in enumerate(walk_journal(ns, files, names), 1):
+                if count % YIELD_EVERY == 0:
+                    await trio.lowlevel.checkpoint()
+            if ns.moves == moves:
+                return files, names
+        return journal_files(ns)
 
     async def _list(self, tier: Tier, only: Collection[str] | None,
                     warm: bool) -> list[ObjectInfo]:
@@ -618,6 +698,16 @@ class Retention:
             # A prefix listing also returns step_50 for step_5: keep this checkpoint's keys.
             infos += [i for i in await tier.list(name) if name_of(i.key) == name]
         return infos
+
+    def _of_only(self, files: list[LocalFile], names: list[str], only: Collection[str] | None
+                 ) -> tuple[list[LocalFile], list[str], set[str]]:
+        """``files`` and ``names`` of the checkpoints in ``only`` (all with None), and the
+        names of the checkpoints they have. Pure (a worker thread)."""
+        name_of = self.detector.name_of
+        if only is not None:
+            files = [f for f in files if name_of(f.key) in only]
+            names = [n for n in names if name_of(n) in only]
+        return files, names, {name_of(f.key) for f in files}
 
     def _local_names(self, files: Iterable[LocalFile]) -> set[str]:
         """The checkpoints with some data on NVMe here: all that evictions can concern."""
@@ -687,8 +777,9 @@ class Retention:
 
     async def report(self, now: float | None = None) -> dict[str, Any]:
         state = await self.collect(now)
-        actions = plan(state.checkpoints, self.policy, state.now)
-        out = report(state.checkpoints, self.policy, state.now, actions, state.tier_bytes)
+        actions = await self._plan(state)
+        out = await trio.to_thread.run_sync(
+            report, state.checkpoints, self.policy, state.now, actions, state.tier_bytes)
         out["last_run"] = self.last_run
         return out
 
@@ -774,8 +865,8 @@ class Retention:
         the holder re-plans from the whole store."""
         if self.fs is None:
             return False
-        journal = journal_files(self.fs.ns)
-        only = self._local_names(journal[0])
+        journal = await self._journal_files()
+        only = await trio.to_thread.run_sync(self._local_names, journal[0])
         if not only:
             return False
         return await self._evict_and_check(
@@ -784,9 +875,9 @@ class Retention:
     async def _evict_and_check(self, state: Snapshot, total: RunResult) -> bool:
         """Plan from ``state``, apply its evictions (node-local: no lease needed); True if
         it plans anything else (copies, removals, deletions: shared state)."""
-        self._learn_classes(state)
+        await self._learn_classes(state)
         await self._prune_pins(state, shared=False)
-        actions = plan(state.checkpoints, self.policy, state.now)
+        actions = await self._plan(state)
         total.blocked = [a for a in actions if a.blocked is not None]
         runnable = [a for a in actions if a.blocked is None]
         local = [a for a in runnable if a.kind == "evict"]
@@ -799,10 +890,10 @@ class Retention:
     async def _rounds(self, total: RunResult, now: float | None) -> None:
         for round_ in range(MAX_ROUNDS):
             state = await self.collect(now)
-            self._learn_classes(state)
+            await self._learn_classes(state)
             if round_ == 0:
                 await self._prune_pins(state, shared=True)
-            actions = plan(state.checkpoints, self.policy, state.now)
+            actions = await self._plan(state)
             runnable = [a for a in actions if a.blocked is None]
             total.blocked = [a for a in actions if a.blocked is not None]
             if not runnable:
@@ -813,11 +904,20 @@ class Retention:
             if not result.done:
                 break
 
+    async def _plan(self, state: Snapshot) -> list[Action]:
+        """``plan`` (pure) in a worker thread: at 40,000 files it takes a large part of a
+        second, which the loop spends answering FUSE requests instead."""
+        return await trio.to_thread.run_sync(plan, state.checkpoints, self.policy, state.now)
+
     async def apply(self, actions: Sequence[Action], state: Snapshot) -> RunResult:
         result = RunResult()
         by_name = {c.name: c for c in state.checkpoints}
         rank = {"copy": 0, "remove": 1, "evict": 2, "delete": 3}
         for action in sorted(actions, key=lambda a: rank[a.kind]):
+            # Other tasks run between actions (an action that does not reach the store, an
+            # eviction of small files, need not pause at all); each action checks what it
+            # relies on again at its start (open files, rows' states, the lease).
+            await trio.lowlevel.checkpoint()
             c = by_name[action.checkpoint]
             if self.lease is not None and action.kind != "evict" and not self.lease.valid():
                 # Renewals failed for a third of the lease: another node may take it soon.
@@ -888,7 +988,7 @@ class Retention:
             if self.policy.tier(action.tier).location == self._warm().location:
                 self._learn_class(key, local, info)
 
-    def _learn_classes(self, state: Snapshot) -> None:
+    async def _learn_classes(self, state: Snapshot) -> None:
         """Every run: the journal learns the storage class the warm prefix's listing shows
         for this node's files. A transition whose journal update was lost (a crash after
         the copy, a verification that failed transiently, another node's run, a lifecycle
@@ -897,7 +997,9 @@ class Retention:
         for t in self.policy.tiers:
             if t.name == HOT or t.location != warm:
                 continue
-            for r in state.remote.get(t.name, []):
+            for count, r in enumerate(state.remote.get(t.name, []), 1):
+                if count % YIELD_EVERY == 0:
+                    await trio.lowlevel.checkpoint()  # each row is read afresh below
                 local = state.local.get(r.key)
                 if local is not None:
                     self._learn_class(r.key, local, ObjectInfo(
@@ -1116,27 +1218,40 @@ class Retention:
 
     async def run(self, uploader: Any, interval: float,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Apply every ``interval`` seconds, and once the uploads after a commit are done."""
+        """The daemon's task: a ``"local"`` round once the uploads after a commit are done,
+        and an ``"interval"`` round every ``interval`` seconds, the first one ``interval``
+        after the start, not at the start (docs/RETENTION.md, "When the policy runs").
+
+        Why not at the start: the whole-store inventory of an interval round (every object
+        listed, every journal row read) competed with the restarting job that reads its
+        checkpoint back, right when it does (issue 19: cold ``stat`` after a remount at
+        40,000 files fell from ~700/s to 64/s). Waiting makes no round do anything it would
+        not have done at the start, only later (module docstring); the uploads the start
+        requeued, and every commit after it, still bring a local round (this node's NVMe
+        copies) as soon as the uploader is idle."""
         task_status.started()
         if interval <= 0:
             return  # retention_interval = 0: only `ckptfs retention --apply`
-        seen = -1
-        last_interval = -math.inf
+        # Uploads since the uploader started (with this mount): those the start requeued
+        # bring a local round too, even if they were done before this task started.
+        seen = 0
+        # A monotonic clock: the wall clock (``self.clock``) may be a test's or jump.
+        next_interval = trio.current_time() + interval
         while True:
-            with trio.move_on_after(interval):
+            with trio.move_on_at(next_interval):
                 while uploader.stats.uploaded_files == seen:
                     await uploader.wait_progress()
                 await uploader.wait_idle()
             seen = uploader.stats.uploaded_files
-            # A monotonic clock: the wall clock (``self.clock``) may be a test's or jump.
-            due = trio.current_time() - last_interval >= interval
-            if due:
-                last_interval = trio.current_time()
+            due = trio.current_time() >= next_interval
             try:
                 result = await self.run_once(scope="interval" if due else "local")
             except CkptfsError as exc:
                 log.warning("retention run skipped: %s", exc)
                 continue
+            finally:
+                if due:  # the next one an interval after this one ended (or failed)
+                    next_interval = trio.current_time() + interval
             if result.held_by is not None:
                 continue  # another node applies the policy this round (logged)
             for action, error in result.failed:
