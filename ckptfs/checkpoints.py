@@ -77,8 +77,6 @@ def top_level(key: str) -> str:
     return key.split("/", 1)[0]
 
 
-
-
 @dataclass(frozen=True)
 class Detector:
     """Which checkpoint (or pointer) a key belongs to, and its step (module docstring).

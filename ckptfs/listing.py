@@ -169,7 +169,7 @@ class Lister:
         ino = directory.ino
         now = self._clock()
         if ino in self._listed or ino in self._inflight or \
-                self._fresh_until.get(ino, 0.0) > now or not self._checkable(directory, row):
+                self._fresh_until.get(ino, 0.0) > now or not self._checkable(row):
             await self.refresh(directory)
             return
         if self._entry_fresh.get(row.ino, 0.0) > now:
@@ -190,7 +190,7 @@ class Lister:
         archived = info.storage_class if info is not None and \
             info.storage_class in ARCHIVE_CLASSES else None
         if info is not None and info.etag == etag and archived == storage_class and \
-                self._checkable(directory, row) and \
+                self._checkable(row) and \
                 (row.remote_key, row.remote_etag, row.storage_class) == \
                 (key, etag, storage_class) and self._still_entry(ino, row):
             if len(self._entry_fresh) >= ENTRY_FRESH_MAX:
@@ -206,19 +206,16 @@ class Lister:
         return found is not None and found.ino == row.ino and \
             self.journal.holders_of(row.remote_key or "") == [row.ino]
 
-    def _checkable(self, directory: Row, row: Row) -> bool:
-        """Whether one HEAD can tell if ``row``, an entry of ``directory``, is current: a
-        clean regular file with a tag, at the key of its path (not being moved there), a key
-        nobody is deleting, hiding or copying to."""
+    def _checkable(self, row: Row) -> bool:
+        """Whether one HEAD can tell if ``row`` is current: a clean regular file with a tag,
+        at the key of its path (not being moved there), a key nobody is deleting, hiding or
+        copying to."""
         key = row.remote_key
         if key is None or row.remote_etag is None or row.link_of is not None or \
                 row.name is None or not stat.S_ISREG(row.mode) or not self._clean(row, key):
             return False
-        path = self.journal.path_of(directory.ino)
-        if path is None or key != (os.fsdecode(path) + "/" if path else "") + \
-                os.fsdecode(row.name):
-            return False
-        return not self.keys.busy([key]) and not self.journal.is_hidden(key)
+        return key == self.keys.key_of(row) and not self.keys.busy([key]) and \
+            not self.journal.is_hidden(key)
 
     async def refresh(self, directory: Row, *, wait: float | None = None,
                       current: bool = False) -> bool:
