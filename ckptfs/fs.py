@@ -462,6 +462,7 @@ class Filesystem:
         self, ino: int, *, fh: int | None = None, size: int | None = None,
         mode: int | None = None, uid: int | None = None, gid: int | None = None,
         atime_ns: int | None = None, mtime_ns: int | None = None,
+        caller: Caller = ROOT_CALLER,
     ) -> Row:
         row = self.ns.get(ino)
         now = time.time_ns()
@@ -496,6 +497,12 @@ class Filesystem:
                 self._mark_staged(row)
         if mode is not None:
             row.mode = stat.S_IFMT(row.mode) | stat.S_IMODE(mode)
+        if size is not None and caller.uid != 0:
+            self._drop_set_id(row, caller, persist=False)
+        if (uid is not None or gid is not None) and not stat.S_ISDIR(row.mode):
+            # chown clears setuid whoever asks, and setgid by the truncate rule (chown_common).
+            row.mode &= ~stat.S_ISUID
+            self._drop_set_id(row, caller if caller.uid != 0 else None, persist=False)
         if uid is not None:
             row.uid = uid
         if gid is not None:
@@ -854,6 +861,8 @@ class Filesystem:
             self._modify_data(row)
         fd = self.staging.acquire(ino)
         if truncate:
+            if caller.uid != 0:
+                self._drop_set_id(row, caller, persist=False)
             os.ftruncate(fd, 0)
             row.size = 0
             row.mtime_ns = row.ctime_ns = time.time_ns()
@@ -1040,25 +1049,30 @@ class Filesystem:
         self.bytes_written += written
         return written
 
-    def _drop_set_id(self, row: Row, writer: Caller) -> None:
-        """A write by an unprivileged caller clears setuid, and setgid when the file is
-        group-executable or the writer is not in its group: the kernel's rule
-        (setattr_should_drop_suidgid) on a local filesystem.
+    def _drop_set_id(self, row: Row, writer: Caller | None, persist: bool = True) -> None:
+        """A write or truncate by an unprivileged caller (``writer``) clears setuid, and
+        setgid when the file is group-executable or the writer is not in its group: the
+        kernel's rule (setattr_should_drop_suidgid) on a local filesystem. ``writer`` None
+        (root, with CAP_FSETID): only a group-executable file's setgid goes (the chown rule).
 
-        The kernel applies it itself before a write through its page cache (a SETATTR that
-        arrives first); a direct write (write_direct_io) only carries a flag that the FUSE
-        binding does not pass on, so the daemon applies it to every write of a handle opened
-        for writing by a caller other than root (the one holding CAP_FSETID, near enough:
-        capabilities are not in the request). Only the writer's primary group is known: a
-        member through a supplementary group loses a setgid bit that ext4 would keep.
+        The daemon applies it itself on every write of a handle opened for writing by a
+        caller other than root (the one holding CAP_FSETID, near enough: capabilities are
+        not in the request), on a truncate and an open(O_TRUNC) by one, and on every chown:
+        with FUSE_CAP_HANDLE_KILLPRIV_V2 (mount.py) the kernel leaves it to us and only says
+        so in flags the FUSE binding does not pass on; without it, the kernel also sends the
+        cleared mode, and applying the rule twice changes nothing. Only the writer's primary
+        group is known: a member through a supplementary group loses a setgid bit that ext4
+        would keep.
         """
-        drop = row.mode & stat.S_ISUID
-        if row.mode & stat.S_ISGID and (row.mode & stat.S_IXGRP or writer.gid != row.gid):
+        drop = row.mode & stat.S_ISUID if writer is not None else 0
+        if row.mode & stat.S_ISGID and (row.mode & stat.S_IXGRP or (
+                writer is not None and writer.gid != row.gid)):
             drop |= stat.S_ISGID
-        if drop:
+        if drop and stat.S_ISREG(row.mode):
             row.mode &= ~drop
             row.ctime_ns = time.time_ns()
-            self.ns.persist(row)
+            if persist:
+                self.ns.persist(row)
 
     # -- space ----------------------------------------------------------------------------
 

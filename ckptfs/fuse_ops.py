@@ -141,6 +141,7 @@ class FuseOps(pyfuse3.Operations):
             gid=attr.st_gid if fields.update_gid else None,
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            caller=_caller(ctx),
         )
         self.passthrough.observe(inode)  # a truncate here is not a passthrough write
         return self._entry(row)

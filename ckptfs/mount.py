@@ -355,6 +355,11 @@ async def _serve_registered(
             if passthrough.request:  # only the patched pyfuse3 knows these
                 init_args = {"passthrough": True,
                              "max_stack_depth": backing_stack_depth(staging.root)}
+            if hasattr(pyfuse3, "killpriv_v2_enabled"):
+                # Without it the kernel asks for security.capability before every write(2),
+                # passthrough or not: a round trip per write. The daemon clears set-id bits
+                # itself (fs.py _drop_set_id), as the capability requires.
+                init_args["handle_killpriv_v2"] = True
             pyfuse3.init(ops, str(mountpoint), fuse_options(config), **init_args)
             try:
                 log.info("mounted %s%s (staging %s, warm tier %s)", mountpoint,

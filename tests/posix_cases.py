@@ -174,6 +174,22 @@ def run(base: Path, uid: int, gid: int) -> dict[str, str]:
             out[f"write {oct(bits)} via {label}"] = user(write_it) + " " + mode_of(p)
     p = new_file(fresh() / "setid", 0o6777)
     out["truncate 0o6777"] = user(lambda: os.truncate(p, 1)) + " " + mode_of(p)
+    for bits in (0o6777, 0o6767):
+        p = new_file(fresh() / "setid", bits)
+        out[f"open O_TRUNC {oct(bits)}"] = user(
+            lambda p=p: os.close(os.open(p, os.O_WRONLY | os.O_TRUNC))) + " " + mode_of(p)
+        p = new_file(fresh() / "setid", bits)
+
+        def ftruncate_it(p: Path = p) -> None:
+            fd = os.open(p, os.O_RDWR)
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+        out[f"ftruncate {oct(bits)}"] = user(ftruncate_it) + " " + mode_of(p)
+    p = new_file(fresh() / "setid", 0o6755)
+    out["root chowns a 0o6755 file to nobody"] = as_user(
+        0, 0, lambda: os.chown(p, 65534, 65534)) + " " + mode_of(p)
     p = new_file(fresh() / "setid", 0o6755, owner=me)
     out["chown own 0o6755 file to own ids"] = user(lambda: os.chown(p, uid, gid)) + " " + \
         mode_of(p)

@@ -120,6 +120,51 @@ async def test_a_write_clears_set_id_bits_by_the_kernels_rule(
     assert fs.getattr(row.ino).ctime_ns >= ctime
 
 
+SET_ID_RULES = [
+    (0o6777, Caller(1000, 1000), 0o777),
+    (0o2767, Caller(1000, 1000), 0o767),
+    (0o2767, Caller(1000, 0), 0o2767),
+    (0o6777, ROOT_CALLER, 0o6777),
+]
+
+
+@pytest.mark.parametrize(("mode", "writer", "after"), SET_ID_RULES)
+@pytest.mark.parametrize("how", ["truncate", "open O_TRUNC"])
+async def test_a_truncate_clears_set_id_bits_in_the_daemon(
+    fs: Filesystem, mode: int, writer: Caller, after: int, how: str
+) -> None:
+    # With FUSE_CAP_HANDLE_KILLPRIV_V2 the kernel sends no cleared mode: the daemon applies
+    # the rule itself, from the request's caller.
+    fh, row = fs.create(ROOT_INODE, b"f", mode, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    await fs.write(fh, 0, b"data")
+    fs.release(fh)
+    if how == "truncate":
+        await fs.setattr(row.ino, size=1, caller=writer)
+    else:
+        fs.release(await fs.open(row.ino, os.O_WRONLY | os.O_TRUNC, writer))
+    assert stat.S_IMODE(fs.getattr(row.ino).mode) == after
+    assert fs.journal.get(row.ino).mode == fs.getattr(row.ino).mode  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("mode", "who", "after"), [
+    (0o6755, Caller(1000, 1000), 0o755),    # setuid always; setgid: group-executable
+    (0o6745, Caller(1000, 1000), 0o745),    # setgid: not in the file's group
+    (0o6745, Caller(1000, 0), 0o2745),      # in it: kept
+    (0o6745, ROOT_CALLER, 0o2745),          # root: setuid goes all the same
+    (0o6755, ROOT_CALLER, 0o755),
+])
+async def test_a_chown_clears_set_id_bits_in_the_daemon(
+    fs: Filesystem, mode: int, who: Caller, after: int
+) -> None:
+    fh, row = fs.create(ROOT_INODE, b"f", mode, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    fs.release(fh)
+    await fs.setattr(row.ino, uid=1000, gid=who.gid, caller=who)
+    assert stat.S_IMODE(fs.getattr(row.ino).mode) == after
+    d = fs.mkdir(ROOT_INODE, b"d", 0o2755, ROOT_CALLER)
+    await fs.setattr(d.ino, uid=1000, gid=1000, caller=who)
+    assert fs.getattr(d.ino).mode & stat.S_ISGID  # a directory keeps its setgid bit
+
+
 async def test_a_truncate_the_staging_disk_could_never_hold_is_efbig(fs: Filesystem) -> None:
     fh, row = fs.create(ROOT_INODE, b"f", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
     fs.release(fh)
