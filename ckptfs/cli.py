@@ -805,6 +805,13 @@ def status(
                 f"active: {pt['opens']['passthrough']} opens served by the kernel, "
                 f"{pt['opens']['daemon']} by the daemon") if pt["active"]
                 else f"off: {pt['reason']}")
+        loop = r.get("loop")
+        if loop:
+            table.add_row("daemon loop", (
+                f"longest stall {loop['recent_longest_stall_s'] * 1000:.0f} ms in the last "
+                f"5 min ({loop['longest_stall_s'] * 1000:.0f} ms since the mount, "
+                f"{loop['stalls']} over 100 ms); {loop['gc_full_collections']} full garbage "
+                f"collections, longest {loop['gc_longest_s'] * 1000:.0f} ms"))
         outage = r.get("store_outage")
         if outage:
             table.add_row("store", f"down for {outage['down_for_s']:.0f}s "

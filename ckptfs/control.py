@@ -44,6 +44,7 @@ from ckptfs.controlsocket import socket_path
 from ckptfs.errors import CkptfsError
 from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_INODE, State
+from ckptfs.loopwatch import LoopWatch
 from ckptfs.passthrough import PassthroughFiles
 from ckptfs.retention import Retention
 from ckptfs.upload import Uploader
@@ -77,6 +78,8 @@ class ControlServer:
         self.config = config
         # PassthroughFiles of the mount (set once the FUSE adapter exists): status shows it.
         self.passthrough: PassthroughFiles | None = None
+        # The mount's loop stall and garbage-collection figures (set by mount.py).
+        self.loop_watch: LoopWatch | None = None
         self.path = socket_path(fs.staging.root)
         self.started = time.time()
         # (monotonic time, bytes fetched so far), sampled every second, for the fetch rate.
@@ -369,6 +372,7 @@ class ControlServer:
             "passthrough": (self.passthrough.status() if self.passthrough is not None
                             else {"active": False, "reason": "not mounted yet"}),
             "tiers": self.tiers(),
+            "loop": self.loop_watch.status() if self.loop_watch is not None else None,
             "options": {} if self.config is None else {
                 "upload_concurrency": self.config.upload_concurrency,
                 "fsync": self.config.fsync, "unlink": self.config.unlink,

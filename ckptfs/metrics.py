@@ -51,6 +51,8 @@ class _DaemonCollector(Collector):
         info.add_metric([__version__, str(control.mountpoint), control.tier_url], 1)
         yield info
         fetch, queue, staging = status["fetch"], status["queue"], status["staging"]
+        loop = status["loop"] or {"stalls": 0, "gc_full_collections": 0, "gc_full_seconds": 0.0,
+                                  "recent_longest_stall_s": 0.0}
         counters = (
             ("ckptfs_written_bytes", "Bytes written by applications.", fs.bytes_written),
             ("ckptfs_uploaded_bytes", "Bytes uploaded to the warm tier.", stats.uploaded_bytes),
@@ -68,6 +70,12 @@ class _DaemonCollector(Collector):
              fs.stall_seconds),
             ("ckptfs_passthrough_opens", "Opens served by the kernel (FUSE passthrough).",
              status["passthrough"].get("opens", {}).get("passthrough", 0)),
+            ("ckptfs_loop_stalls",
+             "Times the daemon's loop answered nothing for 100 ms or more.", loop["stalls"]),
+            ("ckptfs_gc_full_collections", "Full garbage collections (each stops the loop).",
+             loop["gc_full_collections"]),
+            ("ckptfs_gc_full_seconds", "Time spent in full garbage collections.",
+             loop["gc_full_seconds"]),
         )
         gauges = (
             ("ckptfs_queue_files", "Closed files not yet committed to the warm tier.",
@@ -91,6 +99,9 @@ class _DaemonCollector(Collector):
              status["upload_rate_bytes_per_s"]),
             ("ckptfs_passthrough_active", "1 if FUSE passthrough is in use (docs/PASSTHROUGH.md).",
              int(bool(status["passthrough"].get("active")))),
+            ("ckptfs_loop_longest_stall_seconds",
+             "The longest time the daemon's loop answered nothing, over the last 5 minutes.",
+             loop["recent_longest_stall_s"]),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

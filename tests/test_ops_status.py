@@ -54,8 +54,12 @@ def test_status_shows_the_queue_of_a_slow_upload_then_empty_after_sync(
     assert during["failed"] == [] and during["incomplete"] == []
     for key in ("upload_rate_bytes_per_s", "eta_s", "fetch", "write_stall_s", "uptime_s"):
         assert key in during
+    loop = during["loop"]  # the loop watch runs in every mount
+    assert loop["longest_stall_s"] >= loop["recent_longest_stall_s"] >= 0
+    assert loop["gc_full_seconds"] >= loop["gc_longest_s"] >= 0
     human = ckptfs("status", m.path).stdout
     assert "queue" in human and "upload rate" in human and str(m.path) in human
+    assert "daemon loop" in human
 
     ckptfs("sync", m.path)
     after = status(m)
