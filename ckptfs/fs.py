@@ -231,6 +231,7 @@ class Filesystem:
         # Unlinks of data files under way in worker threads (evict_async, big removed
         # files); writers short of space wait for them before they wait for uploads.
         self._frees_in_flight = 0
+        # Unparked when a free returns or a file's last handle closes (it may be evicted).
         self._space_freed = trio.lowlevel.ParkingLot()
         # Where big removed files are unlinked in the background (the mount's nursery).
         self.nursery: trio.Nursery | None = None
@@ -1109,7 +1110,7 @@ class Filesystem:
                     hurried = trio.current_time()
                     self.listener.hurry()
                 with trio.move_on_at(deadline):
-                    await self.listener.wait_progress()
+                    await self._room_may_come()
         finally:
             self.stall_seconds += trio.current_time() - started
         log.error("ENOSPC to a writer: no room for %d bytes in %s after %.0fs of waiting for "
@@ -1117,6 +1118,19 @@ class Filesystem:
                   self.staging.root, self.write_stall_timeout, self.space.used)
         raise StagingFull(f"no room for {nbytes} bytes in {self.staging.root} after "
                           f"{self.write_stall_timeout:.0f}s")
+
+    async def _room_may_come(self) -> None:
+        """Return at the next upload that finishes (its file may be evicted now), or when a
+        file is closed for the last time or a free returns (``_space_freed``): a committed
+        copy that was open when a writer looked for victims is one once it is closed. A
+        reader of evicted files closes one and faults in the next; waiting for uploads alone,
+        with none left to do, it waited until ``write_stall_timeout``."""
+        async with trio.open_nursery() as nursery:
+            async def first(wait: Callable[[], Awaitable[object]]) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(first, self.listener.wait_progress)
+            nursery.start_soon(first, self._space_freed.park)
 
     def _log_stall(self, nbytes: int) -> None:
         """Say that writers wait for space, at most every ``STALL_LOG_EVERY`` seconds (many
@@ -1471,6 +1485,8 @@ class Filesystem:
             self.ns.persist(row)
         self.staging.release(handle.ino, handle.fd)
         self.ns.unpin(handle.ino)
+        if not self.ns.open_count(handle.ino):
+            self._space_freed.unpark_all()  # it may be evicted now: a writer short of room
 
     async def fsyncdir(self) -> None:
         await self.journal.make_durable_async()

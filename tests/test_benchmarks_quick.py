@@ -67,6 +67,7 @@ def test_run_all_quick(tmp_path: Path) -> None:
     assert [p["files"] for p in q8["ckptfs"]["points"]] == q8["files"]
     assert "fsync_probe" in q8["ckptfs"]["fsync"]
     assert q8["ckptfs"]["probe"]["answers"] > 0
+    assert all(p["daemon_loop"]["gc_full_collections"] >= 0 for p in q8["ckptfs"]["points"])
     assert [s["nodes"] for s in q8["sim"]["runs"]] == data["options"]["q8_sim_nodes"]
     assert data["machine"]["nproc"] >= 1
     png = (out / "run_all.quick.png").read_bytes()

@@ -362,6 +362,38 @@ async def test_full_staging_evicts_then_waits_never_drops(
     assert rig.fs.getxattr(await rig.ino("step_7/model.pt"), b"user.ckptfs.state") == b"committed"
 
 
+async def test_a_writer_short_of_room_takes_it_when_a_committed_file_is_closed(
+    rig: Rig, autojump_clock: trio.abc.Clock
+) -> None:
+    # A reader of evicted files closes one and faults in the next: the first is committed
+    # and local, but was still open when the second looked for victims. With no upload
+    # left to wait for, the writer (the fetch) waited until write_stall_timeout for nothing
+    # (seen once on a real mount: a read hung for 300 s).
+    rig.fs.space.max_bytes = 1_000_000
+    await rig.write("a", os.urandom(700_000))
+    await rig.settle()
+    ino = await rig.ino("a")
+    assert rig.fs.getattr(ino).state is State.COMMITTED
+    fh = await rig.fs.open(ino, os.O_RDONLY)
+    start = trio.current_time()
+    data = os.urandom(600_000)
+    written = trio.Event()
+
+    async def write_b() -> None:
+        await rig.write("b", data)
+        written.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write_b)
+        await trio.sleep(5)
+        assert not written.is_set()  # waiting for room: "a" is open
+        rig.fs.release(fh)  # "a" may go now
+    assert trio.current_time() - start < 10  # not write_stall_timeout (300 s)
+    assert rig.fs.getattr(ino).state is State.REMOTE  # evicted to make the room
+    await rig.settle()
+    assert rig.files()["b"] == data
+
+
 async def test_full_staging_and_store_down_gives_enospc(
     rig: Rig, autojump_clock: trio.abc.Clock
 ) -> None:

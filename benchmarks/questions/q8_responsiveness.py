@@ -17,11 +17,13 @@ Measured from outside the daemon, file store on the local disk (the work dir):
                   staging until it returns (the kernel accepted the mount), until a getxattr
                   answers, and until ``ckptfs sync`` returns (whatever the start requeued is
                   done).
-  longest answer  the daemon has no loop instrument a client can read, so a probe process
-                  asks the mount every 5 ms (getxattr ``user.ckptfs.state`` of a file and
-                  readdir of a small directory, alternately) and records how long each answer
-                  took (CLOCK_MONOTONIC, shared with this process): the longest answer in each
-                  phase stands for the longest loop stall (plus the FUSE round trip).
+  longest answer  a probe process asks the mount every 5 ms (getxattr ``user.ckptfs.state``
+                  of a file and readdir of a small directory, alternately) and records how
+                  long each answer took (CLOCK_MONOTONIC, shared with this process): the
+                  longest answer in each phase (a loop stall, or a request that queued, plus
+                  the FUSE round trip). Beside it, at each size, the daemon's own figures
+                  (``ckptfs status``: the loop's longest stall and its full garbage
+                  collections since the mount; ckptfs/loopwatch.py).
   fsync           a file of --q8-fsync-mib (1 GiB) written in 1 MiB calls, then fsync(2)ed,
                   the probe running: the longest answer while the fsync runs.
   cluster         questions/cluster_rate.py at --q8-sim-nodes (64 ... 1000) simulated nodes
@@ -303,6 +305,11 @@ def run_ckptfs(b: Bench, counts: list[int], batch: int, slice_n: int,
             ctl = control_latency(mnt)
             pt["sync_idle_s"], pt["status_s"] = ctl["sync_s"], ctl["status_s"]
             pt["_w_sync_idle"] = (t0, time.monotonic())
+            # The daemon's own view since its mount (this size's growth, batch and drain; the
+            # first size's since the first mount): a loop stall, or a request that queued?
+            report = json.loads(ckptfs("status", mnt, "--json").stdout)
+            mine = report[0] if isinstance(report, list) else report
+            pt["daemon_loop"] = mine.get("loop")
             log(f"Q8 ckptfs {n} files: grew at {pt['grow_per_s']:.0f}/s; batch create "
                 f"{rates['create_per_s']:.0f}/s stat {rates['stat_per_s']:.0f}/s unlink "
                 f"{rates['unlink_per_s']:.0f}/s; sync drain {pt['sync_drain_s']:.2f} s, "
@@ -453,6 +460,12 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"**{p['remount_s']:.2f}** / {p['remount_answer_s']:.2f} / "
             f"{p['remount_sync_s']:.2f} ({p['umount_s']:.2f})",
             "≤ 5 s at 20,000, ≤ 15 s at 100,000")
+        loop = p.get("daemon_loop")
+        if loop:
+            row(f"{n} files: the daemon's longest loop stall, ms (stalls over 100 ms); full "
+                "garbage collections: longest ms (count)",
+                f"{loop['longest_stall_s'] * 1e3:.0f} ({loop['stalls']}); "
+                f"{loop['gc_longest_s'] * 1e3:.0f} ({loop['gc_full_collections']})")
         row(f"{n} files: longest probe answer ms: growing / batch / sync drain / idle "
             "sync+status / after remount",
             " / ".join(_ms(p[k]["max_ms"]) for k in (
