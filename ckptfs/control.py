@@ -78,8 +78,8 @@ class ControlServer:
         self.config = config
         # PassthroughFiles of the mount (set once the FUSE adapter exists): status shows it.
         self.passthrough: PassthroughFiles | None = None
-        # The mount's loop stall and garbage-collection figures (set by mount.py).
-        self.loop_watch: LoopWatch | None = None
+        # The mount's loop stall and garbage-collection figures (mount.py runs it).
+        self.loop_watch = LoopWatch()
         self.path = socket_path(fs.staging.root)
         self.started = time.time()
         # (monotonic time, bytes fetched so far), sampled every second, for the fetch rate.
@@ -372,7 +372,7 @@ class ControlServer:
             "passthrough": (self.passthrough.status() if self.passthrough is not None
                             else {"active": False, "reason": "not mounted yet"}),
             "tiers": self.tiers(),
-            "loop": self.loop_watch.status() if self.loop_watch is not None else None,
+            "loop": self.loop_watch.status(),
             "options": {} if self.config is None else {
                 "upload_concurrency": self.config.upload_concurrency,
                 "fsync": self.config.fsync, "unlink": self.config.unlink,

@@ -498,12 +498,10 @@ class Filesystem:
                 self._mark_staged(row)
         if mode is not None:
             row.mode = stat.S_IFMT(row.mode) | stat.S_IMODE(mode)
-        if size is not None and caller.uid != 0:
+        if size is not None:
             self._drop_set_id(row, caller, persist=False)
-        if (uid is not None or gid is not None) and not stat.S_ISDIR(row.mode):
-            # chown clears setuid whoever asks, and setgid by the truncate rule (chown_common).
-            row.mode &= ~stat.S_ISUID
-            self._drop_set_id(row, caller if caller.uid != 0 else None, persist=False)
+        if uid is not None or gid is not None:
+            self._drop_set_id(row, caller, chown=True, persist=False)
         if uid is not None:
             row.uid = uid
         if gid is not None:
@@ -862,8 +860,7 @@ class Filesystem:
             self._modify_data(row)
         fd = self.staging.acquire(ino)
         if truncate:
-            if caller.uid != 0:
-                self._drop_set_id(row, caller, persist=False)
+            self._drop_set_id(row, caller, persist=False)
             os.ftruncate(fd, 0)
             row.size = 0
             row.mtime_ns = row.ctime_ns = time.time_ns()
@@ -1050,11 +1047,13 @@ class Filesystem:
         self.bytes_written += written
         return written
 
-    def _drop_set_id(self, row: Row, writer: Caller | None, persist: bool = True) -> None:
-        """A write or truncate by an unprivileged caller (``writer``) clears setuid, and
-        setgid when the file is group-executable or the writer is not in its group: the
-        kernel's rule (setattr_should_drop_suidgid) on a local filesystem. ``writer`` None
-        (root, with CAP_FSETID): only a group-executable file's setgid goes (the chown rule).
+    def _drop_set_id(self, row: Row, caller: Caller, *, chown: bool = False,
+                     persist: bool = True) -> None:
+        """The kernel's rules on a local filesystem (setattr_should_drop_suidgid,
+        chown_common): a write or truncate by a caller other than root clears setuid, and
+        setgid when the file is group-executable or the caller is not in its group; a
+        ``chown`` by anyone (root too) clears setuid of what is not a directory, and setgid
+        of a regular file by the same rule, root counting as a member of every group.
 
         The daemon applies it itself on every write of a handle opened for writing by a
         caller other than root (the one holding CAP_FSETID, near enough: capabilities are
@@ -1065,11 +1064,14 @@ class Filesystem:
         group is known: a member through a supplementary group loses a setgid bit that ext4
         would keep.
         """
-        drop = row.mode & stat.S_ISUID if writer is not None else 0
-        if row.mode & stat.S_ISGID and (row.mode & stat.S_IXGRP or (
-                writer is not None and writer.gid != row.gid)):
+        root = caller.uid == 0
+        if stat.S_ISDIR(row.mode) or (root and not chown):
+            return
+        drop = row.mode & stat.S_ISUID
+        if stat.S_ISREG(row.mode) and row.mode & stat.S_ISGID and (
+                row.mode & stat.S_IXGRP or (not root and caller.gid != row.gid)):
             drop |= stat.S_ISGID
-        if drop and stat.S_ISREG(row.mode):
+        if drop:
             row.mode &= ~drop
             row.ctime_ns = time.time_ns()
             if persist:

@@ -51,8 +51,7 @@ class _DaemonCollector(Collector):
         info.add_metric([__version__, str(control.mountpoint), control.tier_url], 1)
         yield info
         fetch, queue, staging = status["fetch"], status["queue"], status["staging"]
-        loop = status["loop"] or {"stalls": 0, "gc_full_collections": 0, "gc_full_seconds": 0.0,
-                                  "recent_longest_stall_s": 0.0}
+        loop = status["loop"]
         counters = (
             ("ckptfs_written_bytes", "Bytes written by applications.", fs.bytes_written),
             ("ckptfs_uploaded_bytes", "Bytes uploaded to the warm tier.", stats.uploaded_bytes),

@@ -43,7 +43,6 @@ from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.loopwatch import LoopWatch
 from ckptfs.mountinfo import check_mountpoint, find, mounts
 from ckptfs.noderun import NodeRun, boot_id, write_stop_report
 from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts
@@ -319,7 +318,6 @@ async def _serve_registered(
             # WAL checkpoints (two fsyncs each) in a worker thread, not inside a commit that
             # a FUSE request makes on this thread.
             walcheck = journal.checkpoint_in_background()
-            control.loop_watch = LoopWatch()
             await nursery.start(control.loop_watch.run)
             await nursery.start(walcheck.run, lambda: journal.total_changes)
             if not config.read_only:  # read-only: nothing goes to the store, nothing is acked
