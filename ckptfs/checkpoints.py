@@ -134,6 +134,9 @@ class LocalFile:
     # The settle rule orders checkpoints by this, not by ``committed_at``: uploads run in
     # parallel, so a later checkpoint's files can be committed before an earlier one's.
     closed_at: float | None = None
+    # The row's version (journal.py ``next_version``): retention deletes a checkpoint only
+    # if no file of it was written here since the plan.
+    version: int = 0
 
     @property
     def local(self) -> bool:
@@ -483,7 +486,8 @@ def _walk(rows_of: RowSource, row: Row, key: str, out: list[LocalFile],
         committed = row.committed_at if row.closed_at is not None else None
         out.append(LocalFile(key, row.ino, row.size, row.state, row.incomplete, committed,
                              row.checksum, rows_of.open_count(row.link_of or row.ino) > 0,
-                             row.mtime_ns / 1e9 if row.mtime_ns else None, row.closed_at))
+                             row.mtime_ns / 1e9 if row.mtime_ns else None, row.closed_at,
+                             row.version))
     yield
     if stat.S_ISDIR(row.mode):
         for child in rows_of.children(row.ino, 0):

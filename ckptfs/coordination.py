@@ -111,28 +111,12 @@ from ckptfs.tiers.base import (
 log = logging.getLogger(__name__)
 
 NODES = CONTROL_PREFIX + "nodes/"
+# A barrier whose name ends so is a sweep's: its acks wait for the acking node's commit
+# markers too (upload.py ``data_outstanding``).
+FULL = "-full"
 BARRIERS = CONTROL_PREFIX + "barriers/"
 ACKS = CONTROL_PREFIX + "acks/"
 EPOCH = CONTROL_PREFIX + "epoch"
-# Checkpoints retention deleted, or moved off the warm tier: ``retired/<quoted path>`` holds
-# {"by": node, "at": wall time}, written before the first object goes. A node whose listing
-# misses an object it still has a local copy of uploads it again, unless the object is under
-# a path retired after the node committed it: then the store's absence is the policy's
-# decision, and the node drops its copy too (listing.py).
-RETIRED = CONTROL_PREFIX + "retired/"
-
-
-def retired_key(path: str) -> str:
-    """The retirement record of a checkpoint path (``runs/exp1/step_100``)."""
-    from urllib.parse import quote
-
-    return RETIRED + quote(path.strip("/"), safe="")
-
-
-def retired_paths(key: str) -> list[str]:
-    """The paths whose retirement covers ``key``: itself and each of its ancestors."""
-    parts = key.strip("/").split("/")
-    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 NODE_ID_FILE = "node-id"
 NODE_TOKEN_FILE = "node-token"
 RECENT = 60.0  # seconds after a barrier or upload during which a node polls at the fast rate
@@ -145,7 +129,7 @@ class Queue(Protocol):
     """What the coordinator needs from the uploader (upload.py)."""
 
     def current_seq(self) -> int: ...
-    def data_outstanding(self, upto_seq: int) -> bool: ...
+    def data_outstanding(self, upto_seq: int, *, markers: bool = False) -> bool: ...
     def released(self) -> None: ...
     def pending(self) -> tuple[int, int]: ...
 
@@ -223,6 +207,10 @@ class Coordinator:
         self._clock = clock
         self._released = 0  # markers numbered up to this may go to the store
         self._wanted = 0  # the highest marker number waiting for a barrier
+        # The same for sweeps (upload.py ``_sweep``), whose barriers also wait for the other
+        # nodes' markers (FULL): a full barrier releases markers too.
+        self._released_full = 0
+        self._wanted_full = 0
         self._kick = trio.Event()
         self._active = trio.Event()
         self._numbers = itertools.count(int(time.time() * 1000))
@@ -258,12 +246,16 @@ class Coordinator:
 
     # -- the uploader's side ----------------------------------------------------------------
 
-    def is_released(self, seq: int) -> bool:
-        return seq <= self._released
+    def is_released(self, seq: int, *, full: bool = False) -> bool:
+        return seq <= (self._released_full if full else self._released)
 
-    def want(self, seq: int) -> None:
-        """A marker numbered ``seq`` is ready on this node: post a barrier for it."""
-        if seq > self._wanted:
+    def want(self, seq: int, *, full: bool = False) -> None:
+        """A marker numbered ``seq`` is ready on this node: post a barrier for it. ``full``:
+        a sweep, whose barrier also waits for every node's markers closed before it."""
+        if full and seq > self._wanted_full:
+            self._wanted_full = seq
+            self._wake()
+        elif not full and seq > self._wanted:
             self._wanted = seq
             self._wake()
 
@@ -565,16 +557,19 @@ class Coordinator:
         waited for, not replaced by a new one that would orphan it."""
         while True:
             if self._posted is None:
-                while self._wanted <= self._released:
+                while self._wanted <= self._released and \
+                        self._wanted_full <= self._released_full:
                     await self._kick.wait()
-                upto = max(self.queue.current_seq(), self._wanted)
+                full = self._wanted_full > self._released_full
+                upto = max(self.queue.current_seq(), self._wanted, self._wanted_full)
                 others = await self.nodes() - {self.node}
                 if not others:
-                    self._release(upto)
+                    self._release(upto, full)
                     continue
                 # Unique even if the wall clock steps back or an id is reused: a repeated name
                 # could meet leftover acks, or leave the epoch's tag unchanged.
-                name = f"{self.node}/{next(self._numbers)}-{secrets.token_hex(3)}"
+                name = f"{self.node}/{next(self._numbers)}-{secrets.token_hex(3)}" + \
+                    (FULL if full else "")
                 body = json.dumps({"node": self.node, "upto": upto, "at": time.time()}).encode()
                 await self._request("put", self.tier.put_small, BARRIERS + name, body)
                 self._posted = (name, upto, False)
@@ -597,7 +592,7 @@ class Coordinator:
                 await trio.sleep(self.poll)
             self.error = None
             self._posted = None
-            self._release(upto)
+            self._release(upto, name.endswith(FULL))
             await self._cleanup(name)
 
     async def _read_waited(self) -> None:
@@ -620,8 +615,10 @@ class Coordinator:
                 info.pop("token", None)
                 self.waited_info[name] = info
 
-    def _release(self, upto: int) -> None:
+    def _release(self, upto: int, full: bool = False) -> None:
         self._released = max(self._released, upto)
+        if full:
+            self._released_full = max(self._released_full, upto)
         self.waiting_for = []
         self.waited_info = {}
         self.barrier = None
@@ -684,7 +681,7 @@ class Coordinator:
                     # number noted now, and acked once it registers (a barrier posted
                     # before then may have listed it).
                     break
-                if not self.queue.data_outstanding(barrier.upto):
+                if not self.queue.data_outstanding(barrier.upto, markers=name.endswith(FULL)):
                     await self._request("put", self.tier.put_small,
                                         f"{ACKS}{name}/{self.node}", b"")
                     del seen[name]

@@ -122,8 +122,12 @@ class Fetcher:
         self, tier: Tier, staging: Staging, journal: Journal, *, block_size: int = 8 << 20,
         concurrency: int = 8, readahead: int = 64 << 20, reserve: Reserve | None = None,
         give_back: Callable[[int], None] | None = None, make_room: Reserve | None = None,
+        other_copies: Callable[[Row], list[str]] | None = None,
     ) -> None:
         self.tier = tier
+        # Other keys holding a file's bytes (the objects of its other names, hard links): read
+        # from them when its own object is gone (another node deleted that name).
+        self._other_copies = other_copies
         self.staging = staging
         self.journal = journal
         self.block_size = block_size
@@ -400,7 +404,7 @@ class Fetcher:
             fd = self.staging.acquire(row.ino)
             try:
                 for attempt in (1, 2):
-                    got = await self._read(key, start, length, fd)
+                    key, got = await self._read_any(row, key, start, length, fd)
                     self.stats.gets += 1
                     self.stats.fetched_bytes += got
                     self.stats.recent.append((time.monotonic(), got))
@@ -475,13 +479,35 @@ class Fetcher:
                 self.flush_now()
         return kept
 
-    async def _read(self, key: str, start: int, length: int, fd: int) -> int:
+    async def _read_any(self, row: Row, key: str, start: int, length: int,
+                        fd: int) -> tuple[str, int]:
+        """``_read`` from ``key``, or, if that object is gone, from another key holding the
+        same bytes (``other_copies``); the key read and the bytes read."""
+        try:
+            return key, await self._read(key, start, length, fd, quiet=True)
+        except ObjectGone:
+            for other in self._other_copies(row) if self._other_copies else []:
+                if other == key:
+                    continue
+                try:
+                    got = await self._read(other, start, length, fd, quiet=True)
+                except ObjectGone:
+                    continue
+                log.info("%s is gone from %s: read from %s, another name of it", key,
+                         self.tier.url, other)
+                return other, got
+            self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
+            raise
+
+    async def _read(self, key: str, start: int, length: int, fd: int,
+                    quiet: bool = False) -> int:
         for attempt in (1, 2):
             try:
                 async with self._limiter:
                     return await self.tier.read_into(key, start, length, fd, start)
             except ObjectMissing:
-                self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
+                if not quiet:
+                    self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
                 raise ObjectGone(f"{key} was deleted from {self.tier.url}") from None
             except LocalWriteFailed as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == 2 \

@@ -67,6 +67,7 @@ from ckptfs.keys import KeyClaims
 from ckptfs.listing import Lister
 from ckptfs.namespace import Namespace
 from ckptfs.noderun import boot_id, page_cache_lost
+from ckptfs.peers import Peers
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.storetrust import is_special
 from ckptfs.tiers.base import ARCHIVE_CLASSES, ObjectArchived
@@ -251,16 +252,21 @@ class Filesystem:
         self.fetcher: Fetcher | None = None
         self._completing: set[int] = set()  # inodes whose _completed runs in the background
         self.lister: Lister | None = None
+        # Versions and records across nodes (peers.py): the composition root names the node.
+        self.peers: Peers | None = None
         if tier is not None:
             self.fetcher = Fetcher(
                 tier, staging, journal, block_size=read.fetch_block_size,
                 concurrency=read.fetch_concurrency, readahead=read.readahead_bytes,
                 reserve=self._reserve, give_back=self.space.give_back,
-                make_room=self._make_room,
+                make_room=self._make_room, other_copies=self._other_copies,
             )
+            self.peers = Peers(tier)
             self.lister = Lister(journal, self.ns, tier, ttl=read.metadata_ttl,
                                  is_busy=self._busy, on_drop=self._drop_data,
-                                 on_lost=self._upload_again, keys=self.keys)
+                                 on_lost=self._upload_again, keys=self.keys,
+                                 peers=self.peers,
+                                 on_relocated=lambda ino: self.listener.inode_changed(ino))
         self.daemon_info: dict[str, object] = {}
 
     # -- start ----------------------------------------------------------------------------
@@ -409,6 +415,13 @@ class Filesystem:
             row.state = State.STAGED
             self.listener.inode_changed(row.ino)
         self.ns.persist(row)
+
+    def _other_copies(self, row: Row) -> list[str]:
+        """The keys of the other names of the file ``row`` (a kernel row) whose objects hold
+        its bytes (same checksum): where a read goes when its own object is gone."""
+        return [name.remote_key for name in self._names(row)
+                if name.ino != row.ino and name.remote_key and name.checksum == row.checksum
+                and name.state in (State.COMMITTED, State.REMOTE)]
 
     def _busy(self, ino: int) -> bool:
         ino = self.ns.kernel_ino(ino)
@@ -622,10 +635,15 @@ class Filesystem:
     async def unlink(self, parent: int, name: bytes) -> None:
         await self._remove(parent, name, directory=False)
 
-    async def rmdir(self, parent: int, name: bytes) -> None:
-        await self._remove(parent, name, directory=True)
+    async def rmdir(self, parent: int, name: bytes, *, sweep: bool = True) -> None:
+        """``sweep``: files other nodes closed into the directory before now but had not
+        committed when it was listed go too, once every node has committed them (a rank-0
+        ``rm -r`` of a checkpoint: upload.py ``_sweep``). Retention, which deletes only the
+        versions it planned on, passes False."""
+        await self._remove(parent, name, directory=True, sweep=sweep)
 
-    async def _remove(self, parent: int, name: bytes, *, directory: bool) -> None:
+    async def _remove(self, parent: int, name: bytes, *, directory: bool,
+                      sweep: bool = False) -> None:
         row = self.ns.lookup(parent, name)
         if directory and self.lister is not None and stat.S_ISDIR(row.mode):
             # ENOTEMPTY if the store has entries in it: wait for the listing, however long;
@@ -643,9 +661,14 @@ class Filesystem:
             notify()
             return
         keys = self._remote_keys(row)
+        path = self.journal.path_of(row.ino) if directory and sweep and self.unlink_remote \
+            and self.lister is not None else None
+        sweep_id = None
         with self.journal.transaction():
             self.ns.unlink(parent, name, directory=directory)
-            tombs = [(self.journal.add_tombstone(k), k) for k in keys]
+            tombs = [(self._tombstone(k, row), k) for k in keys]
+            if path:
+                sweep_id = self.journal.add_sweep(os.fsdecode(path) + "/", None)
             if not self.unlink_remote:
                 # Kept remotely for retention, not shown: the committed copy, and the one an
                 # upload or move on its way (it cannot be called back) is writing.
@@ -653,6 +676,15 @@ class Filesystem:
                     assert key is not None
                     self.journal.hide(key)
         self._forget_remote(row, tombs)
+        if sweep_id is not None:
+            self.listener.sweep_added(sweep_id)
+
+    def _tombstone(self, key: str, row: Row) -> int:
+        """A tombstone of ``key``, pinned to ``row``'s committed version if that is what the
+        key holds (peers.py: a deletion applies to the version this node knew)."""
+        if key == row.remote_key and stat.S_ISREG(row.mode):
+            return self.journal.add_tombstone(key, row.stamp, row.remote_etag)
+        return self.journal.add_tombstone(key)
 
     def _remote_keys(self, row: Row) -> list[str]:
         """Keys on the warm tier that hold (or may soon hold) ``row``: deleted with it."""
@@ -692,7 +724,7 @@ class Filesystem:
             keys.discard(os.fsdecode(heir_path or b""))
         hidden = set() if self.unlink_remote else {name.remote_key, name.uploading_key} - {None}
         self.ns.remove_name(name)
-        tombs = [(self.journal.add_tombstone(k), k) for k in sorted(keys) if k != keep]
+        tombs = [(self._tombstone(k, name), k) for k in sorted(keys) if k != keep]
         for key in hidden:
             assert key is not None
             self.journal.hide(key)
@@ -787,7 +819,8 @@ class Filesystem:
                 old_parent, old_name, new_parent, new_name,
                 noreplace=bool(flags & RENAME_NOREPLACE), exchange=exchange,
             )
-            tombs = [(self.journal.add_tombstone(k), k) for k in replaced_keys] if replaced else []
+            tombs = [(self._tombstone(k, replaced), k) for k in replaced_keys] if replaced \
+                else []
             left = [(self.journal.add_tombstone(k), k) for k in self.keys.left_behind(dirs_before)]
             new_path = self.journal.path_of(moved.ino)
             if old_path and new_path and not exchange:
@@ -936,7 +969,7 @@ class Filesystem:
         any of its names)."""
         if self.fetcher is not None:
             self.fetcher.forget(row.ino)  # no fetch of the old version may land in it
-        version = row.version + 1
+        version = self.journal.next_version()
         for name in self._names(row):
             self.listener.cancel(name.ino)
             name.version = version
@@ -1267,8 +1300,12 @@ class Filesystem:
     def evictable(self, row: Row) -> bool:
         """Whether the local bytes of ``row`` may go as far as its names are concerned: an
         alias has none of its own; a head's go only when every alias's object holds them
-        (else an alias still to upload would find nothing to upload)."""
-        if row.link_of is not None:
+        (else an alias still to upload would find nothing to upload); and only once its
+        committed copy is at its path (a rename not carried to the store yet would move a
+        copy that another node may delete or overwrite meanwhile: the local one is then the
+        only one left to upload)."""
+        if row.link_of is not None or row.uploading_key is not None \
+                or row.remote_key is None or row.remote_key != self.keys.key_of(row):
             return False
         return all(alias.state is State.COMMITTED and alias.version == row.version
                    and alias.checksum == row.checksum for alias in self.ns.aliases(row.ino))
@@ -1290,7 +1327,10 @@ class Filesystem:
                 kept.append(f"{path}: open")
             elif row.state is State.COMMITTED and row.remote_key is not None \
                     and not self.evictable(row):
-                kept.append(f"{path}: another name of it is not committed to the store yet")
+                moving = row.uploading_key is not None or \
+                    row.remote_key != self.keys.key_of(row)
+                kept.append(f"{path}: its rename is not carried to the store yet" if moving
+                            else f"{path}: another name of it is not committed to the store yet")
             elif row.state is State.COMMITTED and row.remote_key is not None:
                 victims.append(row)
                 evicted, freed = evicted + 1, freed + row.size

@@ -54,7 +54,7 @@ from ckptfs.errors import JournalCorrupt
 from ckptfs.walcheckpoint import WalCheckpointer
 
 ROOT_INODE = 1
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class State(enum.StrEnum):
@@ -106,6 +106,10 @@ class Row:
     # A hard link's extra name (an *alias*): the inode (the *head*) whose bytes and attributes
     # this name shares. None for every other row. See "Hard links" in the module docstring.
     link_of: int | None = None
+    # Who wrote the object at ``remote_key`` and which version of theirs it is ("<node>:<n>",
+    # peers.py): what another node's record about that object names. None for objects that
+    # carry none (written by other tools).
+    stamp: str | None = None
 
 
 _COLUMNS = tuple(f.name for f in fields(Row))
@@ -143,19 +147,24 @@ CREATE TABLE IF NOT EXISTS inodes (
     remote_etag  TEXT,
     rdev         INTEGER NOT NULL DEFAULT 0,
     link_of      INTEGER,
+    stamp        TEXT,
     UNIQUE (parent, name)
 );
 CREATE INDEX IF NOT EXISTS inodes_remote_key ON inodes (remote_key);
 CREATE INDEX IF NOT EXISTS inodes_uploading_key ON inodes (uploading_key);
 CREATE INDEX IF NOT EXISTS inodes_state ON inodes (state);
 CREATE TABLE IF NOT EXISTS tombstones (
-    id  INTEGER PRIMARY KEY AUTOINCREMENT,
-    key TEXT NOT NULL
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    key      TEXT NOT NULL,
+    stamp    TEXT,
+    etag     TEXT,
+    moved_to TEXT
 );
 CREATE TABLE IF NOT EXISTS sweeps (
-    id  INTEGER PRIMARY KEY AUTOINCREMENT,
-    old TEXT NOT NULL,
-    new TEXT NOT NULL
+    id   INTEGER PRIMARY KEY AUTOINCREMENT,
+    old  TEXT NOT NULL,
+    new  TEXT,
+    mark INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS ranges (
     ino   INTEGER NOT NULL REFERENCES inodes(ino) ON DELETE CASCADE,
@@ -217,7 +226,7 @@ class Journal:
                 "INSERT INTO meta VALUES ('schema', ?), ('created', ?)",
                 (str(SCHEMA_VERSION), str(time.time())),
             )
-        elif int(found[0]) in (1, 2, 3):
+        elif int(found[0]) in (1, 2, 3, 4):
             # Each step adds what its version brought (the new tables come from the schema
             # script); one transaction, so a crash leaves the journal at its old version.
             with self.transaction():
@@ -230,8 +239,21 @@ class Journal:
                     # Version 3 added special files (FIFOs, sockets, device nodes): their rdev.
                     self._db.execute(
                         "ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
-                # Version 4 added hard links: every existing row is no alias (NULL).
-                self._db.execute("ALTER TABLE inodes ADD COLUMN link_of INTEGER")
+                if int(found[0]) <= 3:
+                    # Version 4 added hard links: every existing row is no alias (NULL).
+                    self._db.execute("ALTER TABLE inodes ADD COLUMN link_of INTEGER")
+                # Version 5 added versions across nodes (peers.py): the stamp of each row's
+                # object, the version a deletion applies to, deletion sweeps and their marks.
+                self._db.execute("ALTER TABLE inodes ADD COLUMN stamp TEXT")
+                for column in ("stamp", "etag", "moved_to"):
+                    self._db.execute(f"ALTER TABLE tombstones ADD COLUMN {column} TEXT")
+                self._db.execute("ALTER TABLE sweeps RENAME TO sweeps_v4")
+                self._db.execute("CREATE TABLE sweeps (id INTEGER PRIMARY KEY AUTOINCREMENT,"
+                                 " old TEXT NOT NULL, new TEXT,"
+                                 " mark INTEGER NOT NULL DEFAULT 0)")
+                self._db.execute("INSERT INTO sweeps (id, old, new) SELECT id, old, new"
+                                 " FROM sweeps_v4")
+                self._db.execute("DROP TABLE sweeps_v4")
                 self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'",
                                  (str(SCHEMA_VERSION),))
         elif int(found[0]) != SCHEMA_VERSION:
@@ -241,6 +263,14 @@ class Journal:
         # Not in the schema script: that runs before a journal of version 3 has the column.
         self._db.execute("CREATE INDEX IF NOT EXISTS inodes_link_of ON inodes (link_of)"
                          " WHERE link_of IS NOT NULL")
+        self._db.execute("CREATE INDEX IF NOT EXISTS inodes_stamp ON inodes (stamp)"
+                         " WHERE stamp IS NOT NULL")
+        # The version counter (``next_version``): above every version a row or a sweep's
+        # mark holds, so that a version made from now on is newer than every mark.
+        found = self._db.execute(
+            "SELECT max(coalesce((SELECT max(version) FROM inodes), 0),"
+            " coalesce((SELECT max(mark) FROM sweeps), 0))").fetchone()
+        self._version = int(found[0])
 
     def close(self) -> None:
         self._db.close()
@@ -280,6 +310,17 @@ class Journal:
                 raise
         finally:
             self._in_tx = False
+
+    def next_version(self) -> int:
+        """A version number above every one this journal has handed out: a row takes one
+        whenever its bytes change (written here, or a new object found in the store), so
+        that "is this row's content older than X" is a comparison (upload.py ``_sweep``)."""
+        self._version += 1
+        return self._version
+
+    def current_version(self) -> int:
+        """The last version handed out: every row's content known now is at or below it."""
+        return self._version
 
     def make_durable(self) -> None:
         """Make every commit so far survive a power loss (fsync of the WAL and database).
@@ -446,6 +487,11 @@ class Journal:
             "SELECT ino FROM inodes WHERE remote_key = ? AND parent IS NOT NULL LIMIT 1", (key,)
         ).fetchone()
         return int(found[0]) if found else None
+
+    def with_stamp(self, stamp: str) -> list[int]:
+        """Every live inode whose committed object carries ``stamp`` (peers.py)."""
+        return [int(r[0]) for r in self._db.execute(
+            "SELECT ino FROM inodes WHERE stamp = ? AND parent IS NOT NULL", (stamp,))]
 
     def holders_of(self, key: str) -> list[int]:
         """Every live inode whose committed copy is at ``key`` (keys.py: at most one, but a
@@ -647,8 +693,14 @@ class Journal:
 
     # -- tombstones: remote keys to delete ------------------------------------------------
 
-    def add_tombstone(self, key: str) -> int:
-        cur = self._db.execute("INSERT INTO tombstones (key) VALUES (?)", (key,))
+    def add_tombstone(self, key: str, stamp: str | None = None, etag: str | None = None,
+                      moved_to: str | None = None) -> int:
+        """``key`` is to be deleted from the warm tier; ``stamp`` and ``etag`` name the
+        version this node knew there (peers.py: the deletion applies to that version), and
+        ``moved_to`` the key it was copied to if the deletion ends a move."""
+        cur = self._db.execute(
+            "INSERT INTO tombstones (key, stamp, etag, moved_to) VALUES (?, ?, ?, ?)",
+            (key, stamp, etag, moved_to))
         assert cur.lastrowid is not None
         self._note_tombstone(key)
         return cur.lastrowid
@@ -680,6 +732,13 @@ class Journal:
         found = self._db.execute("SELECT key FROM tombstones WHERE id = ?", (tomb_id,)).fetchone()
         return str(found[0]) if found else None
 
+    def tombstone_pin(self, tomb_id: int) -> tuple[str | None, str | None, str | None]:
+        """The stamp and tag of the version a tombstone deletes (None, None: whatever is
+        there), and where it was moved to (None: a deletion)."""
+        found = self._db.execute("SELECT stamp, etag, moved_to FROM tombstones WHERE id = ?",
+                                 (tomb_id,)).fetchone()
+        return (None, None, None) if found is None else (found[0], found[1], found[2])
+
     def drop_tombstone(self, tomb_id: int) -> None:
         """The deletion is done (or no longer needed)."""
         key = self.tombstone_key(tomb_id)
@@ -689,23 +748,37 @@ class Journal:
 
     # -- sweeps: what other nodes left under a renamed directory --------------------------
 
-    def add_sweep(self, old: str, new: str) -> int:
-        """A directory was renamed from prefix ``old`` to ``new`` (both end in "/"): whatever
-        other nodes committed under ``old`` is to be moved to ``new`` (upload.py ``_sweep``)."""
-        cur = self._db.execute("INSERT INTO sweeps (old, new) VALUES (?, ?)", (old, new))
+    def add_sweep(self, old: str, new: str | None) -> int:
+        """A directory was renamed from prefix ``old`` to ``new`` (both end in "/"), or
+        removed (``new`` None): whatever other nodes committed under ``old`` is to be moved to
+        ``new``, or deleted (upload.py ``_sweep``). Its mark is the version counter now: rows
+        whose content is newer than the mark came after the rename."""
+        cur = self._db.execute("INSERT INTO sweeps (old, new, mark) VALUES (?, ?, ?)",
+                               (old, new, self._version))
         assert cur.lastrowid is not None
         return cur.lastrowid
 
     def sweeps(self) -> list[int]:
         return [int(r[0]) for r in self._db.execute("SELECT id FROM sweeps ORDER BY id")]
 
-    def sweep(self, sweep_id: int) -> tuple[str, str] | None:
-        found = self._db.execute("SELECT old, new FROM sweeps WHERE id = ?",
+    def sweep(self, sweep_id: int) -> tuple[str, str | None, int] | None:
+        """``(old, new, mark)`` of a sweep (``new`` None: a removal)."""
+        found = self._db.execute("SELECT old, new, mark FROM sweeps WHERE id = ?",
                                  (sweep_id,)).fetchone()
-        return (str(found[0]), str(found[1])) if found else None
+        return (str(found[0]), None if found[1] is None else str(found[1]),
+                int(found[2])) if found else None
+
+    def sweeping(self) -> list[str]:
+        """The old prefixes of the sweeps not done yet."""
+        return [str(r[0]) for r in self._db.execute("SELECT old FROM sweeps")]
 
     def drop_sweep(self, sweep_id: int) -> None:
         self._db.execute("DELETE FROM sweeps WHERE id = ?", (sweep_id,))
+
+    def tombstones_of(self, key: str) -> list[tuple[int, str | None]]:
+        """(id, stamp) of the tombstones of ``key``."""
+        return [(int(r[0]), r[1]) for r in self._db.execute(
+            "SELECT id, stamp FROM tombstones WHERE key = ?", (key,))]
 
     def drop_tombstones_for(self, key: str) -> list[int]:
         ids = [r[0] for r in self._db.execute("SELECT id FROM tombstones WHERE key = ?", (key,))]

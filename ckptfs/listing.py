@@ -13,11 +13,13 @@ object: state REMOTE or COMMITTED at the same key, not open for writing):
 - a clean entry known from the store whose object is gone (another node deleted it) is
   removed, unless it was committed after the listing began; so is an entry written here and
   since evicted (nothing of it is left). An entry written *here* that still has its local
-  copy is removed only on the word of peers.py, which decides what this node does about
-  what other nodes did: retention retired its checkpoint after this copy was committed, or
-  another node renamed it (a move record, and the same data at the new key). Otherwise the
-  copy is uploaded again (``on_lost``): a listing never deletes local data the store does
-  not hold on the strength of a missing key alone.
+  copy is removed only on the word of peers.py, which decides by the object's version what
+  this node does about what other nodes did: a record says another node deleted or moved
+  exactly that version. Otherwise the copy is uploaded again (``on_lost``): a listing never
+  deletes local data the store does not hold on the strength of a missing key alone.
+- a name of a hard-linked file is decided the same way for itself alone: a name whose
+  object another node deleted (or renamed) goes, and the inode lives on under its other
+  names (namespace.py ``remove_name``; reads then fetch from their objects).
 
 Everything that is not clean (written here and not committed yet, being renamed, open for
 writing) wins over the store: local changes are never undone by a listing.
@@ -63,7 +65,7 @@ from ckptfs.errors import CkptfsError, NotEmpty, StoreUnavailable
 from ckptfs.journal import ROOT_INODE, Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.namespace import MAX_NAME, Namespace
-from ckptfs.peers import PeerJudge, Verdict
+from ckptfs.peers import Peers, Record, Verdict
 from ckptfs.storetrust import (
     dir_mode,
     file_mode,
@@ -93,6 +95,9 @@ HEAD_CONCURRENCY = 16
 # every file is looked up pays at most this many HEADs more than before (the first time
 # after a remount), and a lookup here and there in many directories one HEAD each.
 HEADS_BEFORE_LISTING = 8
+# How often a node reads the records other nodes left about its files (peers.py) besides
+# when a listing finds one of its objects missing: one LIST of its own mailbox.
+RECORDS_EVERY = 300.0
 ENTRY_FRESH_MAX = 100_000  # entries checked alone that are remembered at once (then pruned)
 
 
@@ -116,11 +121,15 @@ class Lister:
         self, journal: Journal, ns: Namespace, tier: Tier, *, ttl: float,
         is_busy: Callable[[int], bool], on_drop: Callable[[Row], None],
         on_lost: Callable[[Row], None], clock: Callable[[], float] = trio.current_time,
-        keys: KeyClaims | None = None,
+        keys: KeyClaims | None = None, peers: Peers | None = None,
+        on_relocated: Callable[[int], None] | None = None,
     ) -> None:
         self.journal = journal
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
-        self.peers = PeerJudge(tier)  # why a key written here is missing (peers.py)
+        # Why a key written here is missing (peers.py).
+        self.peers = peers if peers is not None else Peers(tier)
+        # A linked file whose head's name went: the head is carried to its new key.
+        self._on_relocated = on_relocated
         self.ns = ns
         self.tier = tier
         self.ttl = ttl
@@ -267,6 +276,68 @@ class Lister:
             del self._inflight[directory.ino]
             done.set()
 
+    async def run_records(self) -> None:
+        """``apply_records`` at once, then every ``RECORDS_EVERY`` seconds (the mount's
+        nursery): a node learns what was done to its files even in directories it never
+        lists again, and the records do not pile up."""
+        while True:
+            try:
+                await self.apply_records()
+            except Exception:
+                log.exception("reading this node's records failed")
+            await trio.sleep(RECORDS_EVERY)
+
+    async def apply_records(self) -> int:
+        """Act on the records other nodes left about this node's versions (peers.py) without
+        waiting for a listing of their directories: an entry written here whose version was
+        deleted or moved goes (its object is checked gone first: a record is written just
+        before its deletion). Records about versions this node no longer holds as they were
+        are deleted unread further; those about an entry that is open stay for the next
+        round. Returns how many entries went."""
+        try:
+            records = await self.peers.mailbox()
+        except (StoreUnavailable, TierError) as exc:
+            log.info("cannot read this node's records (%s): later", exc)
+            return 0
+        done: list[Record] = []
+        removed = 0
+        for record in records:
+            keep = False
+            for ino in self.journal.with_stamp(record.stamp):
+                try:
+                    row = self.ns.get(ino)
+                except CkptfsError:
+                    continue
+                if row.remote_key != record.key or record.fate is Verdict.LOST:
+                    continue
+                if not self._settled(row, record.key) or not self._holds_copy(row):
+                    keep = keep or self._is_busy(row.ino)  # open now: decided later
+                    continue
+                try:
+                    still = (await self.tier.head(record.key)).meta.stamp == record.stamp
+                except ObjectMissing:
+                    still = False
+                except (StoreUnavailable, TierError):
+                    keep = True
+                    continue
+                if still:
+                    keep = True  # recorded, not carried out yet (or it failed): later
+                    continue
+                # Read again after the HEAD: the entry may have changed meanwhile.
+                if row.parent is None or row.name is None or \
+                        not self._settled(row, record.key) or row.stamp != record.stamp:
+                    continue
+                directory = self.ns.get(row.parent)
+                with self.journal.transaction():
+                    if self._remove(directory, row.name, row):
+                        removed += 1
+                        log.info("%s: %s by node %s; local copy dropped", record.key,
+                                 record.fate.value, record.by or "?")
+            if not keep:
+                done.append(record)
+        await self.peers.drop(done)
+        return removed
+
     async def refresh_tree(self, directory: Row, *, current: bool = False) -> bool:
         """Refresh ``directory`` and every directory below it, waiting for each (before a
         rename or rmdir, the journal must know every descendant); False if one failed.
@@ -306,7 +377,7 @@ class Lister:
                  if not info.meta_known and self._needs_meta(before.get(name), info)]
         details = await self._head_all(heads)
         lost = self._lost_candidates(prefix, remote, before, started)
-        verdicts = await self.peers.judge(lost)
+        verdicts, used = await self.peers.judge(lost)
         # From here on nothing is awaited: the journal changes in one go. Everything the
         # decisions depend on is read again now, since the namespace went on meanwhile (an
         # unlink adds a tombstone, a rename claims a key, the directory itself may move).
@@ -338,32 +409,37 @@ class Lister:
                 if name in remote and remote[name].key not in skip:
                     continue
                 key = self._key_of(prefix, name, row)
-                if not self._clean(row, key) or (row.committed_at or 0.0) >= started:
+                if not self._settled(row, key) or (row.committed_at or 0.0) >= started:
                     continue
                 judged = lost.get(key)
                 verdict = verdicts.get(key) if judged is not None and \
                     (judged.ino, judged.committed_at) == (row.ino, row.committed_at) else None
-                if row.closed_at is None or row.state is State.REMOTE:
+                if not self._holds_copy(row):
                     # Known from the store (or no local data left): it is gone everywhere.
                     self._remove(directory, name, row)
-                elif verdict is Verdict.RETIRED:
-                    # Retention (on whichever node held its lease) deleted the checkpoint, or
-                    # moved it to a colder tier, after this copy was committed: the copy
-                    # goes too, else it would bring the checkpoint back.
-                    if self._remove(directory, name, row):
-                        log.info("%s: retired by retention; local copy dropped", key)
-                elif verdict is Verdict.MOVED:
-                    # Another node renamed it (peers.py): it lives on under the new name.
+                elif verdict is Verdict.DELETED or verdict is Verdict.MOVED:
+                    # Another node deleted or renamed exactly this version (peers.py): the
+                    # copy goes too (a moved one lives on under its new name), else it would
+                    # bring back what the job removed.
                     self._remove(directory, name, row)
-                else:
-                    # Written here, local copy at hand: never lose it on the word of a
-                    # listing (the store lost it, or another node deleted what this node
-                    # still holds); upload it again.
+                elif verdict is Verdict.LOST:
+                    # Written here, local copy at hand, and nothing accounts for its
+                    # absence: never lose it on the word of a listing (the store lost it,
+                    # or a deletion raced this version's upload); upload it again.
                     log.warning("%s: committed here but missing from %s; uploading the "
                                 "local copy again", key, self.tier.url)
                     self._on_lost(row)
+                # No verdict (the records could not be read): the next listing decides.
         self._fresh_until[directory.ino] = self._clock() + self.ttl
+        await self.peers.drop(used)
         return True
+
+    def _holds_copy(self, row: Row) -> bool:
+        """Whether ``row`` is a regular file written here whose bytes are still here (for a
+        name of a linked file: its head's bytes). Directories, symlinks and special files
+        hold no bytes: one missing from the store is gone (a directory once it is empty)."""
+        return stat.S_ISREG(row.mode) and row.closed_at is not None and \
+            row.state is not State.REMOTE and self.ns.kernel(row).state is not State.REMOTE
 
     def _lost_candidates(self, prefix: str, remote: dict[bytes, ObjectInfo],
                          local: dict[bytes, Row], started: float) -> dict[str, Row]:
@@ -374,8 +450,8 @@ class Lister:
             if name in remote:
                 continue
             key = self._key_of(prefix, name, row)
-            if self._clean(row, key) and (row.committed_at or 0.0) < started \
-                    and row.closed_at is not None and row.state is not State.REMOTE:
+            if self._settled(row, key) and (row.committed_at or 0.0) < started \
+                    and self._holds_copy(row):
                 out[key] = row
         return out
 
@@ -445,11 +521,16 @@ class Lister:
     def _clean(self, row: Row, key: str) -> bool:
         """Whether the row is just a view of the remote object at ``key`` (safe to update).
         A name of a hard-linked file never is: its bytes are shared with its other names,
-        so the store's word about one object does not decide them (local wins: a limit,
-        docs/HARD_LINKS.md)."""
+        so a new version of one object does not decide them (local wins: a limit,
+        docs/HARD_LINKS.md); only the removal of a name is taken (``_settled``)."""
+        return self._settled(row, key) and not self.ns.is_linked(row)
+
+    def _settled(self, row: Row, key: str) -> bool:
+        """Whether ``row``'s committed object is at ``key``, with nothing of it on its way
+        here: a name whose object is gone may be judged (also a hard link's name)."""
         return (row.remote_key == key and not row.incomplete
                 and row.state in (State.REMOTE, State.COMMITTED)
-                and not self._is_busy(row.ino) and not self.ns.is_linked(row))
+                and not self._is_busy(row.ino))
 
     @staticmethod
     def _same_kind(row: Row, info: ObjectInfo) -> bool:
@@ -499,9 +580,20 @@ class Lister:
             state=state, checksum=meta.checksum, blocks=meta.blocks,
             storage_class=info.storage_class if info.storage_class in ARCHIVE_CLASSES else None,
             remote_etag=info.etag, remote_key=info.key, tiers=self.tier.name,
-            committed_at=now, rdev=rdev,
+            committed_at=now, rdev=rdev, stamp=meta.stamp,
+            version=self.journal.next_version(),
         )
         self.journal.insert(row)
+
+    def take(self, row: Row, info: ObjectInfo) -> bool:
+        """``row``, a view of the object at ``info.key``, takes the version ``info`` describes
+        now (a sweep or a move found a newer one than the row's: upload.py); False if the
+        row is not a plain view of that key any more (open, changed here, moved)."""
+        if not self._clean(row, info.key) or not info.meta_known:
+            return False
+        with self.journal.transaction():
+            self._maybe_update(row, info)
+        return True
 
     def _maybe_update(self, row: Row, info: ObjectInfo) -> None:
         archived = info.storage_class if info.storage_class in ARCHIVE_CLASSES else None
@@ -516,10 +608,13 @@ class Lister:
         if not info.meta_known:
             return  # changed, but its metadata could not be read: the next listing decides
         meta = info.meta
-        if info.size == row.size and meta.checksum is not None and meta.checksum == row.checksum:
+        if info.size == row.size and meta.checksum is not None and meta.checksum == row.checksum \
+                and (meta.stamp == row.stamp or meta.stamp is None or row.stamp is None):
             # Same data (our own upload, or a copy): remember the tag and storage class.
-            if (row.remote_etag, row.storage_class) != (info.etag, archived):
+            if (row.remote_etag, row.storage_class, row.stamp) != \
+                    (info.etag, archived, meta.stamp or row.stamp):
                 row.remote_etag, row.storage_class = info.etag, archived
+                row.stamp = meta.stamp or row.stamp
                 self.ns.persist(row)
             return
         log.info("%s: a new version in the store (%d bytes); dropping the local copy",
@@ -532,7 +627,9 @@ class Lister:
         row.mtime_ns = row.ctime_ns = meta.mtime_ns or time.time_ns()
         row.checksum, row.blocks = meta.checksum, meta.blocks
         row.storage_class, row.remote_etag = archived, info.etag
-        row.version += 1
+        row.stamp = meta.stamp
+        row.version = self.journal.next_version()
+        row.closed_at = None  # another node's version now, known from the store
         self.ns.persist(row)
 
     def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
@@ -560,7 +657,10 @@ class Lister:
         self.ns.persist(row)
 
     def _remove(self, directory: Row, name: bytes, row: Row) -> bool:
-        """Another node removed it: drop it here too (no tombstone: it is gone already)."""
+        """Another node removed it: drop it here too (no tombstone: it is gone already). A
+        name of a linked file goes alone; if it was the head's, the head takes another
+        name and, unless that name's object holds its bytes, is carried there."""
+        succession = self.ns.succession(row)
         try:
             self.ns.unlink(directory.ino, name, directory=stat.S_ISDIR(row.mode))
         except NotEmpty:
@@ -575,5 +675,7 @@ class Lister:
             return False
         log.info("%s: gone from the store; removed here too",
                  os.fsdecode(name))
+        if succession is not None and not succession[1] and self._on_relocated is not None:
+            self._on_relocated(row.ino)
         return True
 

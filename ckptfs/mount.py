@@ -229,12 +229,14 @@ async def serve(
         )
         fs.start()
         fs.mountpoint = str(mountpoint)
+        node = node_id(staging.root, config.node_id)
+        assert fs.peers is not None
+        fs.peers.node = node  # the stamps of its uploads name it (peers.py)
         uploader = Uploader(journal, fs.ns, staging, tier,
                             concurrency=config.upload_concurrency, markers=config.commit_markers,
-                            keys=fs.keys)
+                            keys=fs.keys, peers=fs.peers, lister=fs.lister)
         fs.listener = uploader
         uploader.requeue_from_journal()
-        node = node_id(staging.root, config.node_id)
         run = NodeRun(staging.root, boot_id())
         run.start(node, incomplete=len(
             [r for r in journal.rows_in_states(State.OPEN) if r.incomplete]))
@@ -327,6 +329,9 @@ async def _serve_registered(
             if not config.read_only:
                 nursery.start_soon(retention.run, uploader,
                                    config.retention_interval.total_seconds())
+                assert fs.lister is not None
+                # What other nodes did to this node's files (peers.py records).
+                nursery.start_soon(fs.lister.run_records)
             if metrics is not None:
                 nursery.start_soon(metrics.serve)
             assert fs.fetcher is not None and fs.lister is not None

@@ -248,6 +248,7 @@ class Namespace:
             size=len(target) if target is not None else 0,
             atime_ns=now, mtime_ns=now, ctime_ns=now, target=target, state=state,
             closed_at=None if state is State.OPEN else time.time(), rdev=rdev,
+            version=self.journal.next_version(),
         )
         with self.journal.transaction():
             self.journal.insert(row)
@@ -341,6 +342,7 @@ class Namespace:
                 if adopt:
                     # The alias's object becomes the head's: same version, same bytes.
                     head.remote_key, head.remote_etag = heir.remote_key, heir.remote_etag
+                    head.stamp = heir.stamp
                     head.committed_at, head.storage_class = heir.committed_at, heir.storage_class
                     head.tiers = heir.tiers
             head.ctime_ns = now

@@ -89,7 +89,6 @@ Interleavings this allows, and why none of them deletes or evicts what must stay
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -117,12 +116,21 @@ from ckptfs.checkpoints import (
     walk_journal,
 )
 from ckptfs.config import Config, KeepRules, TierConfig
-from ckptfs.coordination import NODES, retired_key
+from ckptfs.coordination import NODES
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_INODE, Row, State
 from ckptfs.lease import Holder, Lease
+from ckptfs.peers import Peers
 from ckptfs.pins import Pin, drop_local, local_pins, store_pins
-from ckptfs.tiers.base import CONTROL_PREFIX, Kind, ObjectInfo, ObjectMeta, Tier
+from ckptfs.tiers.base import (
+    CONTROL_PREFIX,
+    Kind,
+    NotEmptyYet,
+    ObjectInfo,
+    ObjectMeta,
+    ObjectMissing,
+    Tier,
+)
 from ckptfs.tiers.transfer import CopyMismatch, copy_object, put_checked, verify
 
 if TYPE_CHECKING:
@@ -581,6 +589,7 @@ class Retention:
         self._meta_cache: dict[tuple[str, str, int, str | None], ObjectMeta] = {}
         self.last_run: dict[str, Any] | None = None
         self._owned: list[Tier] = []  # tiers ``open`` opened (closed by ``aclose``)
+        self._peers: Peers | None = None
 
     # -- state ------------------------------------------------------------------------
 
@@ -827,6 +836,8 @@ class Retention:
                         nursery.start_soon(self.lease.keep_renewed, nursery.cancel_scope.cancel)
                     try:
                         await self._rounds(total, now)
+                        if scope != "local":
+                            await self._forget_old_records()
                     except CkptfsError as exc:
                         error = exc  # raised below as itself, not in an exception group
                     nursery.cancel_scope.cancel()
@@ -838,6 +849,16 @@ class Retention:
                 raise error
             self.last_run = {"at": self.clock(), **total.as_dict()}
             return total
+
+    async def _forget_old_records(self) -> None:
+        """Records addressed to nodes not registered any more, older than
+        ``peers.RECORD_MAX_AGE`` (peers.py: live nodes delete their own)."""
+        warm = self.tiers[self._warm().name]
+        registered = {i.key[len(NODES):] for i in await warm.list(NODES)
+                      if not i.key.endswith("/")}
+        removed = await self.peers.collect_garbage(registered, self.clock())
+        if removed:
+            log.info("retention: removed %d records of nodes gone", removed)
 
     async def _needs_lease(self, total: RunResult, now: float | None) -> bool:
         """A first round without the lease: evictions only drop this node's NVMe copies
@@ -932,7 +953,7 @@ class Retention:
                 elif action.kind == "evict":
                     await self._evict(c, state)
                 else:
-                    await self._delete(c)
+                    await self._delete(c, state)
             except (CkptfsError, OSError) as exc:
                 log.warning("retention: %s of %s failed: %s", action.describe(), c.name, exc)
                 result.failed.append((action, str(exc)))
@@ -1044,32 +1065,58 @@ class Retention:
     async def _remove(self, c: Checkpoint, tier: str, state: Snapshot) -> None:
         # The planner removes only once every tier that must hold the checkpoint holds every
         # file of it (sizes and checksums compared in this run's listing; copies verified).
-        keys = self._keys_of(c.name, (r.key for r in state.remote.get(tier, [])))
-        if self.policy.tier(tier).location == self._warm().location:
-            await self._retire(c.name)  # it leaves the tier every namespace merges
-        for key in keys:
-            await self.tiers[tier].delete(key)
+        listed = {r.key: r for r in state.remote.get(tier, [])}
+        keys = self._keys_of(c.name, listed)
+        warm = self.policy.tier(tier).location == self._warm().location
+        for key in keys:  # markers first
+            if warm:
+                # It leaves the tier every namespace merges: the version listed goes, with a
+                # record for its writer, which drops its copy instead of uploading it again.
+                await self._delete_version(key, listed[key].etag)
+            else:
+                await self.tiers[tier].delete(key)
         members = [t for t in self.policy.tiers if t.location == self.policy.tier(tier).location]
         if len(members) == 1:
             await self._remove_dirs(self.tiers[tier], c.name)
 
     async def _remove_dirs(self, tier: Tier, name: str) -> None:
-        dirs = [i.key for i in await tier.list(name + "/")
+        """The directory markers of checkpoint ``name``, deepest first; one that still holds
+        something (a version written since the plan, on a file tier) stays."""
+        listed = await tier.list(name + "/")
+        dirs = [i.key for i in listed
                 if i.key.endswith("/") and self.detector.name_of(i.key) == name]
-        for key in sorted(dirs, key=lambda k: k.count("/"), reverse=True):
-            await tier.delete(key)
-        if dirs:
-            await tier.delete(name + "/")
+        if listed or dirs:
+            dirs.append(name + "/")
+        for key in sorted(set(dirs), key=lambda k: k.count("/"), reverse=True):
+            try:
+                await tier.delete(key)
+            except NotEmptyYet:
+                continue
 
     def _warm(self) -> TierPolicy:
         return next(t for t in self.policy.tiers if t.name != HOT)
 
-    async def _retire(self, name: str) -> None:
-        """Record, before its first object goes from the warm tier, that retention removes
-        checkpoint ``name`` there: the other nodes then drop their local copies of it instead
-        of uploading them again (coordination.py ``RETIRED``, listing.py)."""
-        body = json.dumps({"by": self.node, "at": self.clock()}).encode()
-        await self.tiers[self._warm().name].put_small(retired_key(name), body)
+    async def _delete_version(self, key: str, etag: str | None) -> None:
+        """Delete from the warm tier the version of ``key`` this run listed (``etag``), with a
+        record for the node that wrote it (peers.py): that node drops its local copy instead
+        of uploading it again, and a version written since the listing stays."""
+        if etag is None:
+            await self.peers.delete(key)
+            return
+        try:
+            stamp = (await self.tiers[self._warm().name].head(key)).meta.stamp
+        except ObjectMissing:
+            return
+        await self.peers.delete(key, stamp=stamp, etag=etag)
+
+    @property
+    def peers(self) -> Peers:
+        if self._peers is None:
+            if self.fs is not None and self.fs.peers is not None:
+                self._peers = self.fs.peers
+            else:
+                self._peers = Peers(self.tiers[self._warm().name], self.node or "retention")
+        return self._peers
 
     def _open_file(self, name: str) -> str | None:
         """A file of checkpoint ``name`` that is open right now (by any handle), if any:
@@ -1124,66 +1171,97 @@ class Retention:
                 rows.append(row)
         await self.fs.evict_async(*rows)  # one journal sync for the checkpoint, not one per file
 
-    async def _delete(self, c: Checkpoint) -> None:
-        # The journal first: a crash after this leaves store copies that the next run sees as
-        # a checkpoint nobody keeps, and deletes.
+    async def _delete(self, c: Checkpoint, state: Snapshot) -> None:
+        """Delete the checkpoint as this run planned it: the versions it listed and held, not
+        whatever is there by now. The journal first (a crash after it leaves store copies
+        that the next run sees as a checkpoint nobody keeps, and deletes); a checkpoint this
+        node wrote to since the plan is left whole for a later run."""
         if self.fs is not None:
             self._check_not_open(c)
-            await self._forget(c.name)
-        await self._retire(c.name)
+            await self._forget(c, state)
         seen: set[str] = set()
         for t in self.policy.tiers:
             if t.name == HOT or t.location in seen:
                 continue
             seen.add(t.location)
             tier = self.tiers[t.name]
-            infos = [i for i in await tier.list(c.name) if i.key.rstrip("/") == c.name
-                     or (i.key.startswith(c.name + "/")
-                         and self.detector.name_of(i.key) == c.name)]
-            # Markers first (no marker beside missing shards if cut short), then files, then
-            # directories deepest first.
-            for info in sorted(infos, key=lambda i: (not self._is_marker(i.key),
-                                                     i.key.endswith("/"), -i.key.count("/"))):
-                await tier.delete(info.key)
-            if any(i.key.endswith("/") for i in infos) or any("/" in i.key for i in infos):
-                await tier.delete(c.name + "/")
+            planned = {r.key: r for m in self.policy.tiers if m.location == t.location
+                       for r in state.remote.get(m.name, [])}
+            # Markers first (no marker beside missing shards if cut short), then files.
+            for key in self._keys_of(c.name, planned):
+                # Also the keys this node's unlinks just tombstoned: the deletion is the
+                # same, and the checkpoint leaves the store now, not at the uploader's turn.
+                if t.location == self._warm().location:
+                    await self._delete_version(key, planned[key].etag)
+                else:
+                    await tier.delete(key)
+            await self._remove_dirs(tier, c.name)
 
-    async def _forget(self, name: str) -> None:
-        """Remove ``name`` and everything under it from the namespace, as rm -r would; a
-        file found open on the way stops it (``InUse``: the rest is retried next run)."""
+    async def _forget(self, c: Checkpoint, state: Snapshot) -> None:
+        """Remove checkpoint ``c`` from the namespace, as ``rm -r`` would, as planned: a file
+        found open, or written here since the plan (open, staged, uploading, or another
+        version than the plan saw), leaves the whole checkpoint for a later run (``InUse``,
+        checked before anything goes). An entry known from the store whose object another
+        node rewrote since the plan stays (that version was not planned on)."""
         from ckptfs.errors import NotEmpty
 
         fs = self.fs
         assert fs is not None
-        top = self._lookup(name)
+        top = self._lookup(c.name)
         if top is None:
             return
-        parent_path, _, _ = name.rpartition("/")
+        parent_path, _, _ = c.name.rpartition("/")
         parent_row = self._lookup(parent_path) if parent_path else fs.ns.get(ROOT_INODE)
         assert parent_row is not None and top.name is not None
         top_name = os.fsdecode(top.name)  # the row forgets its name once removed
+        listed = {r.key: r for t in self.policy.tiers if t.location == self._warm().location
+                  for r in state.remote.get(t.name, [])}
 
-        async def remove(parent: int, row: Row) -> None:
-            assert row.name is not None
+        async def entries(row: Row, path: str) -> list[tuple[Row, Row, str]]:
+            """(parent, entry, path) of every entry under ``row``, deepest last; readdir
+            merges the store's listing: other nodes' shards in it are entries here too."""
+            found: list[tuple[Row, Row, str]] = []
+            for child in list(await fs.readdir(row.ino, 0)):
+                assert child.name is not None
+                where = path + "/" + os.fsdecode(child.name)
+                found.append((row, child, where))
+                if stat.S_ISDIR(child.mode):
+                    found.extend(await entries(child, where))
+            return found
+
+        every = [(parent_row, top, c.name)]
+        if stat.S_ISDIR(top.mode):
+            every += await entries(top, c.name)
+        planned: list[tuple[Row, Row, str]] = []
+        for parent, row, path in every:
             if stat.S_ISDIR(row.mode):
-                for attempt in range(3):
-                    # readdir merges the store's listing: other nodes' shards in it are
-                    # entries here too (rmdir would find them and refuse).
-                    for child in list(await fs.readdir(row.ino, 0)):
-                        await remove(row.ino, child)
-                    try:
-                        await fs.rmdir(parent, row.name)
-                        break
-                    except NotEmpty:
-                        if attempt == 2:
-                            raise
-            else:
-                if fs.is_open(row.ino):  # opened while this deletion awaited the store
-                    raise InUse(f"{os.fsdecode(row.name)} in {name} is open: left for later")
-                await fs.unlink(parent, row.name)
-
-        await remove(parent_row.ino, top)
-        if self.on_removed is not None:
+                continue
+            if fs.is_open(row.ino):
+                raise InUse(f"{path} is open: left for a later run")
+            local = state.local.get(path)
+            mine = row.closed_at is not None or row.state not in (State.COMMITTED, State.REMOTE)
+            if mine and (row.incomplete or row.state not in (State.COMMITTED, State.REMOTE)
+                         or local is None or (local.ino, local.version) !=
+                         (row.ino, row.version)):
+                raise InUse(f"{path} was written here since the plan: {c.name} is left for "
+                            "a later run")
+            if mine or (local is not None and local.version == row.version) or (
+                    path in listed and listed[path].etag == row.remote_etag):
+                planned.append((parent, row, path))
+        for parent, row, path in planned:
+            assert row.name is not None
+            await fs.unlink(parent.ino, row.name)
+        for parent, row, path in reversed(every):
+            if not stat.S_ISDIR(row.mode):
+                continue
+            assert row.name is not None
+            try:
+                await fs.rmdir(parent.ino, row.name, sweep=False)
+            except NotEmpty:
+                # A version another node wrote since the plan, or a shard of theirs this node
+                # had not listed yet: it stays, with its directory.
+                continue
+        if self.on_removed is not None and self._lookup(c.name) is None:
             self.on_removed(parent_row.ino, top_name)
 
     # -- set-up -----------------------------------------------------------------------

@@ -45,6 +45,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import itertools
 import logging
@@ -66,13 +67,22 @@ from ckptfs.integrity import MIN_BLOCK, file_sums, format_crc
 from ckptfs.journal import Journal, Row, State
 from ckptfs.keys import KeyClaims
 from ckptfs.namespace import Namespace
-from ckptfs.peers import MoveRecorder
+from ckptfs.peers import Peers, Verdict
 from ckptfs.staging import Staging
-from ckptfs.tiers.base import Kind, NotEmptyYet, ObjectMeta, ObjectMissing, Tier
+from ckptfs.tiers.base import (
+    Kind,
+    NotEmptyYet,
+    ObjectInfo,
+    ObjectMeta,
+    ObjectMissing,
+    PreconditionFailed,
+    Tier,
+)
 from ckptfs.workqueue import WorkQueue
 
 if TYPE_CHECKING:
     from ckptfs.coordination import Coordinator
+    from ckptfs.listing import Lister
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +99,13 @@ OUTAGE_AFTER = 3
 _HASH_CHUNK = 8 * 1024 * 1024
 
 WorkKey = tuple[str, int]  # ("ino", inode), ("tomb", tombstone id) or ("sweep", sweep id)
+
+
+def _same_version(row: Row, info: ObjectInfo) -> bool:
+    """Whether the object ``info`` is the version ``row`` committed (same bytes, and the
+    same writer's version where both carry a stamp)."""
+    return info.meta.checksum == row.checksum and (
+        row.stamp is None or info.meta.stamp is None or info.meta.stamp == row.stamp)
 
 
 class NotLocal(CkptfsError):
@@ -147,6 +164,7 @@ class Uploader:
         self, journal: Journal, ns: Namespace, staging: Staging, tier: Tier, *,
         concurrency: int, markers: Iterable[str], clock: Callable[[], float] = trio.current_time,
         min_block: int = MIN_BLOCK, keys: KeyClaims | None = None,
+        peers: Peers | None = None, lister: Lister | None = None,
     ) -> None:
         self.journal = journal
         self.min_block = min_block  # the smallest integrity block (integrity.py)
@@ -175,8 +193,14 @@ class Uploader:
         self.stats = UploadStats()
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
+        # Renamed directories whose sweep has not run yet: sweep id -> old prefix.
+        self._sweeping: dict[int, str] = {}
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
-        self.moves = MoveRecorder(tier)
+        # Stamps of uploads, records of what this node does to other nodes' versions.
+        self.peers = peers if peers is not None else Peers(tier)
+        # Where a row replaced by a sweep takes its new version at once (else at its next
+        # listing).
+        self.lister = lister
         # Set when other nodes may write to the same store (coordination.py): markers then
         # also wait for every node's files closed before them.
         self.coordinator: Coordinator | None = None
@@ -214,9 +238,13 @@ class Uploader:
         self._queue(("tomb", tomb_id))
 
     def sweep_added(self, sweep_id: int) -> None:
-        """A directory was renamed (journal ``sweeps``): once every node has committed what
-        it closed before now, what other nodes left under its old key goes to its new one.
-        Ordered as a marker is (``_pick``); the tree's markers, queued after it, follow it."""
+        """A directory was renamed or removed (journal ``sweeps``): once every node has
+        committed what it closed before now, everything under its old key goes to its new
+        one (or goes). Ordered as a marker is (``_pick``); the tree's markers, queued after
+        it, follow it, and no move out of the old prefix starts before it (``_plan``)."""
+        found = self.journal.sweep(sweep_id)
+        if found is not None:
+            self._sweeping[sweep_id] = found[0]
         self._queue(("sweep", sweep_id))
 
     def hurry(self) -> None:
@@ -237,12 +265,18 @@ class Uploader:
         if work is not None and work.cancel is not None:
             work.cancel.cancel()
 
-    def _queue(self, key: WorkKey) -> None:
+    def _continue(self, ino: int) -> None:
+        """Queue ``ino`` again to finish what its item started (a parked copy's move on, a
+        file renamed while uploading, a put to redo): the same version, so it keeps its
+        number even if it is a marker, and markers closed after it still wait for it."""
+        self._queue(("ino", ino), keep=True)
+
+    def _queue(self, key: WorkKey, keep: bool = False) -> None:
         reserved = self._reserved(key)
         work = self._pending.get(key)
         if work is None:
             running = self._inflight.get(key)
-            if running is not None and not self._names_marker(key):
+            if running is not None and (keep or not self._names_marker(key)):
                 # Queued again while in flight (a chmod, a rename, a cancelled upload): it
                 # keeps its first number, so markers closed after it, here or on another
                 # node (an acknowledged barrier notes numbers), still wait for it.
@@ -252,7 +286,7 @@ class Uploader:
             self._pending.add(work)
         else:
             before = (work.seq, work.not_before)
-            if self._names_marker(key):
+            if self._names_marker(key) and not keep:
                 # A marker queued again is re-numbered so that it waits for whatever was
                 # queued since: a rewritten `latest` must follow its new checkpoint. Other
                 # items keep their first number, so markers queued since still wait for them.
@@ -291,16 +325,33 @@ class Uploader:
         """The number of the last item queued (items queued later have larger numbers)."""
         return self._last_number
 
-    def data_outstanding(self, upto_seq: int) -> bool:
+    def data_outstanding(self, upto_seq: int, *, markers: bool = False) -> bool:
         """Whether a file or directory item numbered ``upto_seq`` or less is not done yet
-        (markers and deletions of old copies aside)."""
+        (deletions of old copies aside; markers too, unless ``markers``).
+
+        With ``markers`` (a sweep's barrier), markers count, but not those queued after a
+        sweep of this node still to run: they wait for that sweep, which waits for the other
+        nodes' acks, which would wait for them (two nodes renaming directories at once).
+        Markers themselves wait only for barriers acked on data (coordination.py), so an
+        ack never waits for something that waits for it."""
         if any(seq <= upto_seq for seq in self._closing.values()):
             return True
         if self._floor() > upto_seq:
             return False  # nothing that old is queued or in flight: O(log n), the usual case
+        items = (*self._pending.values(), *self._inflight.values())
+        # The moves of a renamed directory wait for its sweep, which waits for the other
+        # nodes' acks: they carry a rename, not a file closed, so acks never wait for them.
+        if markers:
+            sweeping = min((w.seq for w in items if w.key[0] == "sweep"), default=math.inf)
+            return any(
+                w.key[0] == "ino" and w.seq <= upto_seq and (
+                    not self._names_marker(w.key) or w.seq < sweeping)
+                and not self._waits_for_sweep(w.key[1])
+                for w in items)
         return any(
             w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
-            for w in (*self._pending.values(), *self._inflight.values()))
+            and not self._waits_for_sweep(w.key[1])
+            for w in items)
 
     def pending(self) -> tuple[int, int]:
         """Files not uploaded yet (staged or uploading, in the journal) and their bytes: what
@@ -479,11 +530,16 @@ class Uploader:
             deletion = work.key[0] == "tomb"
             if self.keys.busy_around((target, source), deletion=deletion):
                 return False
-            if marker and floor < work.seq:
+            sweep = work.key[0] == "sweep"
+            if marker and floor < work.seq and (
+                    not (sweep or self._sweeping) or self._before(work.seq, sweep)):
                 return False
             if marker and self.coordinator is not None and \
-                    not self.coordinator.is_released(work.seq):
-                self.coordinator.want(work.seq)  # its barrier wakes us when the nodes agree
+                    not self.coordinator.is_released(work.seq, full=sweep):
+                # Its barrier wakes us when the nodes agree. A sweep's also waits for their
+                # commit markers: one closed into a renamed or removed directory before the
+                # rename must be in the store when the sweep lists it.
+                self.coordinator.want(work.seq, full=sweep)
                 return False
             work.target, work.source, work.park = target, source, park
             self.keys.claim(work.key, (target, source), deletion=deletion)
@@ -507,6 +563,8 @@ class Uploader:
         key = self.keys.key_of(row)
         if key is None:
             return None, None, False
+        if self._swept_later(key):
+            return None  # under a directory whose sweep has not run yet (below)
         if not stat.S_ISREG(row.mode):
             # A symlink or special file put at a key a file still has to move away from
             # would overwrite that file's copy (its only one, if evicted): rule 1 holds for
@@ -520,6 +578,11 @@ class Uploader:
         upload = row.state in (State.STAGED, State.UPLOADING) and not row.incomplete
         if not move and not upload:
             return key, None, False
+        if self._swept_later(key) or (move and self._swept_later(row.remote_key)):
+            # Into or out of a directory renamed or removed whose sweep has not run yet: the
+            # sweep moves it (``_sweep``), and nothing new goes under the old name before the
+            # sweep has carried (or deleted) what other nodes closed there before.
+            return None
         blocker, cycle = self.keys.blocker(row, key)
         if blocker is not None and not cycle:
             self._wait_for(blocker, work, waits)
@@ -545,6 +608,36 @@ class Uploader:
         def marker(row: Row) -> bool:  # by name, as _pick judges (a `latest` symlink too)
             return is_marker(os.fsdecode(row.name or b""), self.markers)
         return [r for r in rows if not marker(r)], [r for r in rows if marker(r)]
+
+    def _before(self, seq: int, sweep: bool) -> bool:
+        """Whether an item numbered below ``seq`` is still to finish (a marker or a sweep
+        numbered ``seq`` waits for it), the moves that wait for a sweep aside: they carry a
+        rename, not a file closed, and the sweep they wait for may be numbered after
+        ``seq`` (a file renamed while uploading keeps its first number), while the markers
+        of a renamed directory are numbered after its sweep and wait for it. A ``sweep``
+        does not wait for deletions of old copies either: a directory's old key on a file
+        tier can go only once the sweep has moved what is under it."""
+        if any(s < seq for s in self._closing.values()):
+            return True
+        return any(w.seq < seq and not (sweep and w.key[0] == "tomb")
+                   and not (w.key[0] == "ino" and self._waits_for_sweep(w.key[1]))
+                   for w in (*self._pending.values(), *self._inflight.values()))
+
+    def _swept_later(self, key: str | None) -> bool:
+        """Whether ``key`` is under a renamed directory whose sweep has not run yet."""
+        return key is not None and any(key.startswith(old) for old in self._sweeping.values())
+
+    def _waits_for_sweep(self, ino: int) -> bool:
+        """Whether the item of ``ino`` waits for a sweep (``_plan``)."""
+        if not self._sweeping:
+            return False
+        try:
+            row = self.ns.get(ino)
+        except NotFound:
+            return False
+        key = self.keys.key_of(row)
+        return self._swept_later(key) or (
+            self.keys.is_move(row, key) and self._swept_later(row.remote_key))
 
     def _queue_sweeps(self) -> None:
         for sweep_id in self.journal.sweeps():
@@ -672,9 +765,17 @@ class Uploader:
                 # A live file committed at this key since (a rename over it, an exchange):
                 # the object is its data now, not garbage. A key hidden by a local-only
                 # unlink is kept for retention.
+                stamp, etag, moved_to = self.journal.tombstone_pin(ident)
                 if self.keys.may_delete(key):
-                    await self.tier.delete(key)
-                    self.stats.deleted += 1
+                    # Only the version this node knew, with a record for its writer if that
+                    # is another node (peers.py).
+                    if await self.peers.delete(key, stamp=stamp, etag=etag, moved_to=moved_to):
+                        self.stats.deleted += 1
+                elif self.journal.holder_of(key) is not None:
+                    # A file of this node's is committed there since: the version was
+                    # replaced, which its writer must know as if it had been deleted.
+                    await self.peers.record(stamp, key, Verdict.MOVED if moved_to
+                                            else Verdict.DELETED, to=moved_to)
                 self.journal.drop_tombstone(ident)
             return
         if kind == "sweep":
@@ -695,14 +796,18 @@ class Uploader:
                 # A ring of moves (keys.py rule 2): this copy steps aside to a parking key,
                 # and from there to its path once the key it wants is free.
                 await self._move(row, work.target)
-                self.inode_changed(row.ino)
+                self._continue(row.ino)
             elif row.state in (State.COMMITTED, State.REMOTE) and row.remote_key != key:
                 await self._move(row, key)
         else:
             await self._put_entry(row, key)
 
-    def _supersede(self, key: str) -> None:
-        """An upload to ``key`` makes pending deletions of ``key`` pointless (and harmful)."""
+    async def _supersede(self, key: str) -> None:
+        """An upload to ``key`` makes pending deletions of ``key`` pointless (and harmful).
+        The versions they were to delete are replaced instead: their writers are told first,
+        as the deletion would have (peers.py)."""
+        for _, stamp in self.journal.tombstones_of(key):
+            await self.peers.record(stamp, key, Verdict.DELETED)
         for tomb_id in self.journal.drop_tombstones_for(key):
             self._pending.pop(("tomb", tomb_id), None)
 
@@ -718,7 +823,12 @@ class Uploader:
         row.state = State.UPLOADING
         row.uploading_key = key
         self.ns.persist(row)
-        self._supersede(key)
+        await self._supersede(key)
+        if row.remote_key == key:
+            # This version replaces the one at its key: if another node wrote that one, it is
+            # told (else, should this one be deleted before it lists, it would find its own
+            # missing with nothing to say why, and upload it again).
+            await self.peers.record(row.stamp, key, Verdict.DELETED)
         source = self.staging.path(data)
         size = row.size
         try:
@@ -739,8 +849,9 @@ class Uploader:
                 return  # unlinked since it was queued: nothing to upload
             raise
         blocks = sums.encode()
+        stamp = self.peers.stamp(version)
         meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
-                          checksum, blocks=blocks)
+                          checksum, blocks=blocks, stamp=stamp)
 
         def progress(n: int) -> None:
             work.done_bytes += n
@@ -760,8 +871,8 @@ class Uploader:
         for observe in self.stats.observers:
             observe(time.monotonic() - started, size)
         log.debug("uploaded %s (%d bytes) in %.2fs", key, size, time.monotonic() - started)
-        old_key = row.remote_key
-        live = await self._still_there(row.ino, key)
+        old_key, old_stamp, old_etag = row.remote_key, row.stamp, row.remote_etag
+        live = await self._still_there(row.ino, key, stamp, etag)
         if live is None:
             return
         row = live
@@ -773,101 +884,263 @@ class Uploader:
             row.blocks = blocks
             row.storage_class = None
             row.remote_etag = etag  # a listing that shows this tag needs no HEAD
+            row.stamp = stamp
             row.tiers = self.tier.name
             row.committed_at = time.time()
+        else:
+            # Rewritten while it uploaded: the object is a version no row holds.
+            row.stamp, row.remote_etag = stamp, etag
         with self.journal.transaction():
             self.ns.persist(row)
             if old_key and old_key != key:
-                self._retire(old_key)
+                self._retire(old_key, old_stamp, old_etag)
         if os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
-            self.inode_changed(row.ino)  # renamed while uploading: move it
+            self._continue(row.ino)  # renamed while uploading: move it
 
     async def _move(self, row: Row, key: str) -> None:
         old_key = row.remote_key
         assert old_key is not None
-        self._supersede(key)
+        await self._supersede(key)
         # Claimed while the copy is on its way: a listing meanwhile must not take the new key
         # for another node's file (and a crash leaves it to requeue_from_journal).
         row.uploading_key = key
         self.ns.persist(row)
+        newer: ObjectInfo | None = None
         try:
             # Only move what is ours: another file may have been written at the old key since
             # (a rename over it, an exchange), or it was deleted behind our back.
             info = await self.tier.head(old_key)
-            if info.meta.checksum != row.checksum:
-                raise ObjectMissing(old_key)
+            if not _same_version(row, info):
+                if not self._may_follow(row, info):
+                    raise ObjectMissing(old_key)
+                # A view of another node's file that its writer rewrote before this rename
+                # (it closed the new version first, in the job's order, and uploaded it since
+                # this node listed it): the path moves, so its newest version does.
+                newer = info
             # Pinned to the version just checked (keys.py rule 3): another node writing the
             # old key in between makes the copy fail with PreconditionFailed, and the retry
             # checks again, instead of copying its bytes under our new name.
-            await self.tier.copy(old_key, key, if_etag=info.etag)
-            if self.coordinator is not None:
-                # Before the old key goes: other nodes holding a copy of this file under the
-                # old name follow the rename instead of uploading it again (peers.py).
-                await self.moves.moved(old_key, key, row.committed_at)
+            tag = await self.tier.copy(old_key, key, if_etag=info.etag)
         except ObjectMissing:
+            row.uploading_key = None
             if row.state is State.REMOTE:
-                log.error("%s: the only copy of %s is gone from %s", old_key, key, self.tier.url)
-                raise
+                # Nothing here to upload again: the file is reported, never retried forever
+                # (which would hold every later marker of this node).
+                log.error("%s: the only copy of %s is gone from %s; marked incomplete",
+                          old_key, key, self.tier.url)
+                row.incomplete = True
+                self.ns.persist(row)
+                return
             row.state = State.STAGED  # upload it again from the local copy
             row.remote_key = None
-            row.uploading_key = None
             self.ns.persist(row)
-            self.inode_changed(row.ino)
+            self._continue(row.ino)
             return
         live = await self._still_there(row.ino, key)
         if live is None:
             return  # removed meanwhile: its unlink tombstoned the old key
         row = live
+        if newer is not None:
+            assert self.lister is not None
+            if not self.lister.take(row, newer):
+                # Opened or changed meanwhile: the copy stays (it is the path's newest
+                # version), the row's move is tried again.
+                raise NotEmptyYet(f"{old_key}: a newer version to move, the row is busy")
         row.remote_key = key
         row.uploading_key = None
+        if tag is not None:
+            row.remote_etag = tag
         with self.journal.transaction():
             self.ns.persist(row)
-            self._retire(old_key)
+            self._retire(old_key, info.meta.stamp, info.etag, moved_to=key)
         self.stats.moved += 1
 
+    def _may_follow(self, row: Row, info: ObjectInfo) -> bool:
+        """Whether a move of ``row`` may take the other version ``info`` found at its old
+        key: ``row`` is a plain view of another node's file (no local bytes, not a name of a
+        linked file), and ``info`` is a file with its writer's stamp."""
+        return (self.lister is not None and row.state is State.REMOTE and row.closed_at is None
+                and not self.ns.is_linked(row) and info.meta.kind is Kind.FILE
+                and info.meta.stamp is not None and self.peers.foreign(info.meta.stamp))
+
     async def _sweep(self, sweep_id: int) -> None:
-        """A directory renamed here from ``old`` to ``new``: every node has committed what it
-        closed before the rename (the sweep waited for a barrier, as a marker does), so any
-        key still under ``old`` that this node does not hold is another node's file closed
-        into the directory before the rename (a shard still uploading when rank 0 renamed
-        ``step_N.tmp``). It is copied to ``new`` and its old key deleted, after a move record
-        that its node follows (peers.py) instead of uploading it again."""
+        """Carry a directory's rename (or removal) to the store, once every node has committed
+        what it closed in it before.
+
+        The sweep waited for a barrier that counts markers too (``_pick``): every node has
+        committed everything it closed before the rename, its commit markers included, and
+        no move out of the old prefix started before it (``_plan``). So everything under
+        ``old`` is what the job had in the directory when it was renamed, in the latest
+        version each file reached: this node's files and other nodes', those still
+        uploading then and those rewritten since this node listed them. A rename copies each
+        to ``new`` (files first, commit markers after them, several at a time: a reader of
+        ``new`` never meets a marker before its files), a removal deletes each (markers
+        first). The old keys go, pinned to the versions listed, with a record for each
+        other node's version (peers.py), which its writer then follows instead of
+        uploading it again.
+
+        The rows this node holds at an old key take the new key (and the version found
+        there, if another node's is newer than theirs: their local copy goes). A key that a
+        row changed here since the rename is left to that row (its upload retires it), and
+        at the new key a row written or changed here since the rename wins over the version
+        the sweep found (its version is above the sweep's mark)."""
         found = self.journal.sweep(sweep_id)
         if found is None:
             return
-        old, new = found
-        claimed = self.keys.claimed() | self.journal.tombstoned_under(old) \
-            | set(self.journal.claimed_under(old)) | self.journal.hidden_under(old)
+        old, new, mark = found
+        skip = self.keys.claimed() | self.journal.tombstoned_under(old) \
+            | self.journal.hidden_under(old)
         left = [info for info in await self.tier.list(old)
-                if info.key.startswith(old) and info.key not in claimed]
-        if left and self.coordinator is not None:
-            await self.moves.moved(old, new, math.inf)  # newer than any commit of theirs
-        for info in left:
-            target = new + info.key[len(old):]
-            if self.keys.busy((target,)) or self.journal.holder_of(target) is not None:
-                continue  # written here since, under the new name: ours wins
-            try:
-                if info.key.endswith("/"):  # another node's directory marker
-                    try:
-                        await self.tier.head(target)
-                    except ObjectMissing:
-                        await self.tier.put_entry(target, (await self.tier.head(info.key)).meta)
-                else:
-                    # Pinned to the version listed: rewritten since, the sweep runs again.
-                    await self.tier.copy(info.key, target, if_etag=info.etag)
-            except ObjectMissing:
-                continue  # gone meanwhile (its node moved or removed it)
-            self.stats.moved += 1
-        with self.journal.transaction():
-            for info in left:
-                self._retire(info.key)
-            self.journal.drop_sweep(sweep_id)
+                if info.key.startswith(old) and info.key not in skip]
+        files = [info for info in left if not info.key.endswith("/")]
+        directories = sorted((info for info in left if info.key.endswith("/")),
+                             key=lambda i: -i.key.count("/"))
+        gone: list[tuple[ObjectInfo, str | None]] = []  # old versions to delete, moved to
+        if new is not None:
+            for info in directories:
+                await self._sweep_directory(info, new + info.key[len(old):])
+            for markers in (False, True):
+                batch = [i for i in files if self._is_marker_key(i.key) is markers]
+                gone += await self._sweep_files(batch, old, new, mark)
+        else:
+            for listed in files:
+                described = await self._described(listed)
+                if described is not None and not self._held(described.key, mark):
+                    gone.append((described, None))
+        gone.sort(key=lambda g: not self._is_marker_key(g[0].key))  # markers first
+        for version, moved_to in gone:
+            if self.journal.holder_of(version.key) is None:  # none of ours holds it now
+                await self.peers.delete(version.key, stamp=version.meta.stamp,
+                                        etag=version.etag, moved_to=moved_to)
+        for info in directories:
+            await self.tier.delete(info.key)
+        self.journal.drop_sweep(sweep_id)
+        self._sweeping.pop(sweep_id, None)
+        self._wake()  # the moves that waited for it
 
-    async def _still_there(self, ino: int, key: str) -> Row | None:
-        """After a put to ``key``: the entry's row, or None if it was removed meanwhile. Then
-        what we just wrote must go (the tombstone of its path may already have run, and a
-        listing would bring the entry back), unless a live entry has been committed at ``key``
-        since (a new file at the same path)."""
+    async def _sweep_files(self, infos: list[ObjectInfo], old: str, new: str, mark: int
+                           ) -> list[tuple[ObjectInfo, str | None]]:
+        """Copy ``infos`` (under ``old``) to ``new``, ``concurrency`` at a time; the versions
+        to delete, with where each went (None: not copied, a newer one is there)."""
+        out: list[tuple[ObjectInfo, str | None]] = []
+        limit = trio.CapacityLimiter(self.concurrency)
+
+        async def one(listed: ObjectInfo) -> None:
+            async with limit:
+                info = await self._described(listed)
+                if info is None or self._held(info.key, mark):
+                    return  # gone meanwhile, or a row changed here since carries it
+                target = new + info.key[len(old):]
+                copied = await self._sweep_file(info, target, mark)
+                if copied:
+                    self._follow(info, target)
+                out.append((info, target if copied else None))
+
+        async with trio.open_nursery() as nursery:
+            for info in infos:
+                nursery.start_soon(one, info)
+        return out
+
+    def _held(self, key: str, mark: int) -> bool:
+        """Whether a row of this node holds ``key`` and changed since the sweep's mark (a new
+        version on its way, or written here since the rename): the key is its business."""
+        for ino in self.journal.holders_of(key):
+            try:
+                row = self.ns.get(ino)
+            except NotFound:
+                continue
+            if row.version > mark or row.state not in (State.COMMITTED, State.REMOTE) \
+                    or row.incomplete:
+                return True
+        return False
+
+    def _follow(self, info: ObjectInfo, target: str) -> None:
+        """The rows holding ``info.key`` take ``target``, where it was copied, and its
+        version if it is not theirs (another node rewrote the file before the rename)."""
+        for ino in self.journal.holders_of(info.key):
+            try:
+                row = self.ns.get(ino)
+            except NotFound:
+                continue
+            same = _same_version(row, info)
+            with self.journal.transaction():
+                row.remote_key = target
+                self.ns.persist(row)
+                if not same:
+                    there = dataclasses.replace(info, key=target)
+                    if self.lister is None or not self.lister.take(row, there):
+                        row.remote_key = info.key
+                        self.ns.persist(row)
+                        raise NotEmptyYet(f"{info.key}: a newer version for a busy row")
+            self._continue(row.ino)  # at its path now, or moves on from the new key
+
+    async def _described(self, info: ObjectInfo) -> ObjectInfo | None:
+        """``info`` with its metadata (an S3 listing has key, size and tag only)."""
+        if info.meta_known:
+            return info
+        try:
+            return await self.tier.head(info.key)
+        except ObjectMissing:
+            return None
+
+    async def _sweep_directory(self, info: ObjectInfo, target: str) -> None:
+        """A directory marker under a renamed directory: one at the new key."""
+        try:
+            await self.tier.head(target)
+        except ObjectMissing:
+            try:
+                meta = (await self.tier.head(info.key)).meta
+            except ObjectMissing:
+                return
+            await self.tier.put_entry(target, meta)
+
+    async def _sweep_file(self, info: ObjectInfo, target: str, mark: int) -> bool:
+        """Copy the version ``info`` under a renamed directory to ``target``, unless this node
+        holds something newer there (see ``_sweep``); whether it is there now."""
+        holder = self.journal.holder_of(target)
+        if holder is not None:
+            try:
+                row = self.ns.get(holder)
+            except NotFound:
+                pass
+            else:
+                if row.version > mark or row.state not in (State.COMMITTED, State.REMOTE):
+                    return False  # written or changed here after the rename: it wins
+                if row.stamp is not None and row.stamp == info.meta.stamp:
+                    return True  # this very version is there already
+        if self.keys.busy_around((target,)):
+            return False  # this node writes the new key right now: its version is newer
+        claim = ("sweep", target)
+        self.keys.claim(claim, (target,))
+        try:
+            # Pinned to the version described: rewritten since, the sweep runs again.
+            await self.tier.copy(info.key, target, if_etag=info.etag)
+        except (ObjectMissing, PreconditionFailed):
+            raise NotEmptyYet(f"{info.key} changed while it was swept: again") from None
+        finally:
+            self.keys.release(claim)
+        self.stats.moved += 1
+        if holder is not None:
+            try:
+                row = self.ns.get(holder)
+            except NotFound:
+                return True
+            there = dataclasses.replace(info, key=target)
+            if not _same_version(row, info) and (
+                    self.lister is None or not self.lister.take(row, there)):
+                raise NotEmptyYet(f"{target}: holds an older version here, busy now")
+        return True
+
+    def _is_marker_key(self, key: str) -> bool:
+        return is_marker(key.rstrip("/").rsplit("/", 1)[-1], self.markers)
+
+    async def _still_there(self, ino: int, key: str, stamp: str | None = None,
+                           etag: str | None = None) -> Row | None:
+        """After a put to ``key`` (of the version ``stamp``/``etag``, if a file's): the
+        entry's row, or None if it was removed meanwhile. Then what we just wrote must go
+        (the tombstone of its path may already have run, and a listing would bring the entry
+        back), unless a live entry has been committed at ``key`` since (a new file at the
+        same path)."""
         try:
             row = self.ns.get(ino)
         except NotFound:
@@ -878,13 +1151,15 @@ class Uploader:
         # skips the key); the tombstone leaves a key a live entry holds by then. A key a
         # local-only unlink hid stays: the store copy is kept for retention.
         if not self.keys.keep_unowned(key):
-            self._retire(key)
+            self._retire(key, stamp, etag)
         return None
 
-    def _retire(self, key: str) -> None:
+    def _retire(self, key: str, stamp: str | None = None, etag: str | None = None,
+                moved_to: str | None = None) -> None:
         """An old copy at ``key`` is no longer needed: a tombstone, in the caller's transaction
-        (journal first: a crash before the deletion redoes it)."""
-        tomb_id = self.journal.add_tombstone(key)
+        (journal first: a crash before the deletion redoes it), pinned to the version
+        ``stamp``/``etag`` when known (and naming where it was moved, for its writer)."""
+        tomb_id = self.journal.add_tombstone(key, stamp, etag, moved_to)
         self.tombstone_added(tomb_id, key)
 
     @staticmethod
@@ -934,7 +1209,7 @@ class Uploader:
         target_key = key + "/" if is_dir else key
         if row.state is State.COMMITTED and row.remote_key == target_key:
             return
-        self._supersede(target_key)
+        await self._supersede(target_key)
         meta = self._entry_meta(row)
         # Claimed while the put is on its way: should the entry be renamed meanwhile, a
         # listing must not take the object for a new entry at the old name.
@@ -961,4 +1236,4 @@ class Uploader:
                 # Deleted once its old children are (retried until it is empty).
                 self._retire(old_key)
         if row.state is State.STAGED or os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
-            self.inode_changed(row.ino)  # changed or renamed while being put: put it again
+            self._continue(row.ino)  # changed or renamed while being put: put it again

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
 from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.noderun import NodeRun
 from ckptfs.staging import Staging
-from ckptfs.tiers.base import Tier
+from ckptfs.tiers.base import ObjectMeta, Progress, Tier
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier
 from ckptfs.upload import Uploader
@@ -83,6 +84,26 @@ async def write_file(fs: Filesystem, path: str, data: bytes, mode: int = 0o644) 
     return ino
 
 
+class ObservedTier(MemoryTier):
+    """The shared memory store, calling ``stored(key)`` after every put and copy (the
+    simulations check their invariants there, at the moment an object appears)."""
+
+    def __init__(self, store: str, stored: Callable[[str], None]) -> None:
+        super().__init__("warm", f"memory://{store}", store)
+        self.stored = stored
+
+    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
+                       progress: Progress | None = None) -> str | None:
+        tag = await super().put_file(key, source, size, meta, progress)
+        self.stored(key)
+        return tag
+
+    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
+        tag = await super().copy(src, dst, if_etag=if_etag)
+        self.stored(dst)
+        return tag
+
+
 def make_tier(store: str, wrap: Tier | None = None) -> FaultyTier:
     return FaultyTier(wrap or MemoryTier("warm", f"memory://{store}", store))
 
@@ -109,12 +130,14 @@ async def run_node(
     scope: trio.CancelScope | None = None
     try:
         fs.start()
+        name = node_id(root, node)
+        assert fs.peers is not None
+        fs.peers.node = name
         uploader = Uploader(journal, fs.ns, staging, tier, concurrency=2,
                             markers=DEFAULT_COMMIT_MARKERS, min_block=SETTINGS.fetch_block_size,
-                            keys=fs.keys)
+                            keys=fs.keys, peers=fs.peers, lister=fs.lister)
         fs.listener = uploader
         uploader.requeue_from_journal()
-        name = node_id(root, node)
         run.start(name, incomplete=len(
             [r for r in journal.rows_in_states(State.OPEN) if r.incomplete]))
         coordinator = Coordinator(tier, name, uploader, poll=poll,

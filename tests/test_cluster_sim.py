@@ -27,10 +27,10 @@ import trio
 import trio.testing
 
 from ckptfs.coordination import BARRIERS
-from ckptfs.tiers.base import CONTROL_PREFIX, ObjectMeta, Progress
+from ckptfs.tiers.base import CONTROL_PREFIX
 from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, store_named
-from tests.cluster import Node, run_node
+from ckptfs.tiers.memory import store_named
+from tests.cluster import Node, ObservedTier, run_node
 
 NODES = 64
 SHARD = 48 * 1024
@@ -39,21 +39,6 @@ SAVES = 6
 INTERVAL = 120.0  # seconds between saves
 IDLE = 600.0  # seconds of idleness measured before the first save
 POLL, IDLE_POLL = 1.0, 10.0  # node_poll_interval, node_idle_poll_interval (the defaults)
-
-
-class CheckingTier(MemoryTier):
-    """The store, which checks the invariant whenever a commit marker is stored."""
-
-    def __init__(self, store: str, sim: Sim) -> None:
-        super().__init__("warm", f"memory://{store}", store)
-        self.sim = sim
-
-    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> str | None:
-        tag = await super().put_file(key, source, size, meta, progress)
-        if key.endswith("/.metadata"):
-            self.sim.marker_stored(key)
-        return tag
 
 
 class Sim:
@@ -73,7 +58,7 @@ class Sim:
     # -- nodes ------------------------------------------------------------------------------
 
     async def start(self, i: int) -> None:
-        tier = FaultyTier(CheckingTier(self.store, self))
+        tier = FaultyTier(ObservedTier(self.store, self.stored))
         tier.bandwidth = BANDWIDTH
         node: Node = await self.nursery.start(functools.partial(
             run_node, self.root / f"node{i:03d}", self.store, tier=tier, node=f"node-{i:03d}",
@@ -99,6 +84,10 @@ class Sim:
         return total
 
     # -- the invariant ----------------------------------------------------------------------
+
+    def stored(self, key: str) -> None:
+        if key.endswith("/.metadata"):
+            self.marker_stored(key)
 
     def marker_stored(self, key: str) -> None:
         checkpoint = key.rsplit("/", 1)[0]

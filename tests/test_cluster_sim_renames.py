@@ -60,10 +60,10 @@ from ckptfs import errors
 from ckptfs.fs import Filesystem
 from ckptfs.integrity import format_crc
 from ckptfs.journal import ROOT_INODE, State
-from ckptfs.tiers.base import CONTROL_PREFIX, ObjectMeta, Progress
+from ckptfs.tiers.base import CONTROL_PREFIX
 from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, store_named
-from tests.cluster import Node, durable_point, power_loss, run_node, write_file
+from ckptfs.tiers.memory import store_named
+from tests.cluster import Node, ObservedTier, durable_point, power_loss, run_node, write_file
 
 NODES = int(os.environ.get("CKPTFS_SIM_NODES", "64"))
 SAVES = int(os.environ.get("CKPTFS_SIM_SAVES", "6"))
@@ -72,25 +72,6 @@ SHARD = 48 * 1024
 BANDWIDTH = 16 * 1024  # a shard takes 3 s to upload
 INTERVAL = 120.0
 OPERATOR_DELAY = 60.0  # seconds between a held node's restart and the operator's decision
-
-
-class CheckingTier(MemoryTier):
-    """The store, which checks the marker invariant whenever a marker lands."""
-
-    def __init__(self, store: str, sim: Sim) -> None:
-        super().__init__("warm", f"memory://{store}", store)
-        self.sim = sim
-
-    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> str | None:
-        tag = await super().put_file(key, source, size, meta, progress)
-        self.sim.stored(key)
-        return tag
-
-    async def copy(self, src: str, dst: str, *, if_etag: str | None = None) -> str | None:
-        tag = await super().copy(src, dst, if_etag=if_etag)
-        self.sim.stored(dst)
-        return tag
 
 
 async def lookup_path(fs: Filesystem, path: str) -> int:
@@ -128,7 +109,7 @@ class Sim:
     # -- nodes ------------------------------------------------------------------------------
 
     async def start(self, i: int) -> Node:
-        tier = FaultyTier(CheckingTier(self.store, self))
+        tier = FaultyTier(ObservedTier(self.store, self.stored))
         tier.bandwidth = BANDWIDTH
         boot = self.boots.setdefault(i, 1)
         node: Node = await self.nursery.start(functools.partial(

@@ -404,27 +404,48 @@ async def test_links_survive_a_restart_and_a_lost_upload_is_redone(
         assert second.fs.journal.local_bytes() == 100
 
 
-def test_a_schema_3_journal_is_migrated(tmp_path: Path) -> None:
+def _journal_of_schema(path: Path, version: int) -> None:
+    """Turn a new journal at ``path`` into one as schema ``version`` (3 or 4) made it."""
+    db = sqlite3.connect(path)
+    # Schema 5 added stamps, pinned tombstones and deletion sweeps.
+    db.execute("DROP INDEX inodes_stamp")
+    db.execute("ALTER TABLE inodes DROP COLUMN stamp")
+    for column in ("stamp", "etag", "moved_to"):
+        db.execute(f"ALTER TABLE tombstones DROP COLUMN {column}")
+    db.execute("DROP TABLE sweeps")
+    db.execute("CREATE TABLE sweeps (id INTEGER PRIMARY KEY AUTOINCREMENT, old TEXT NOT NULL,"
+               " new TEXT NOT NULL)")
+    db.execute("INSERT INTO sweeps (old, new) VALUES ('a/', 'b/')")
+    if version == 3:
+        db.execute("DROP INDEX inodes_link_of")
+        db.execute("ALTER TABLE inodes DROP COLUMN link_of")
+    db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(version),))
+    db.commit()
+    db.close()
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_an_old_journal_is_migrated(tmp_path: Path, version: int) -> None:
     staging = Staging(tmp_path / "s")
     staging.prepare()
     path = staging.root / "journal.db"
     journal = Journal(path)
     journal.ensure_root(0, 0, stat.S_IFDIR | 0o755)
     journal.close()
-    db = sqlite3.connect(path)
-    db.execute("DROP INDEX inodes_link_of")
-    db.execute("ALTER TABLE inodes DROP COLUMN link_of")
-    db.execute("UPDATE meta SET value = '3' WHERE key = 'schema'")
-    db.commit()
-    db.close()
+    _journal_of_schema(path, version)
     journal = Journal(path)
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
     root = journal.get(ROOT_INODE)
-    assert root is not None and root.link_of is None
+    assert root is not None and root.link_of is None and root.stamp is None
     assert journal.linked_heads() == {}
+    # A rename sweep left by the old version is kept; a new one may be a removal.
+    assert [journal.sweep(i) for i in journal.sweeps()] == [("a/", "b/", 0)]
+    journal.add_sweep("c/", None)
+    tomb = journal.add_tombstone("x", "n:r.1", "etag", "y")
+    assert journal.tombstone_pin(tomb) == ("n:r.1", "etag", "y")
     journal.close()
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("4",)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
     db.close()
     staging.close()
 

@@ -1,5 +1,6 @@
 """Renames made by another node (peers.py): a node follows them, never uploads the old name
-again. Nodes without a mount over one memory store, deterministic clock (tests/cluster.py).
+again; a record names the exact version it applies to. Nodes without a mount over one memory
+store, deterministic clock (tests/cluster.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import trio.testing
 from ckptfs.errors import NotFound
 from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_INODE
-from ckptfs.peers import MOVED, move_roots
+from ckptfs.peers import mailbox_of
 from ckptfs.tiers.memory import store_named
 from tests.cluster import Node, make_tier, run_node
 
@@ -58,13 +59,6 @@ async def read(fs: Filesystem, path: str) -> bytes:
         fs.release(fh)
 
 
-def test_move_roots_strip_the_common_tail() -> None:
-    assert move_roots("step_1.tmp/model/shard_3", "step_1/model/shard_3") == \
-        ("step_1.tmp", "step_1")
-    assert move_roots("ckpt", "ckpt.prev") == ("ckpt", "ckpt.prev")
-    assert move_roots("a/x", "b/x/") == ("a", "b")
-
-
 async def test_tmp_dir_commit_by_another_node_is_followed(
         tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
     """Lightning/NeMo/Orbax: every node writes its shard into ``step_1.tmp/``, rank 0 (node
@@ -81,7 +75,9 @@ async def test_tmp_dir_commit_by_another_node_is_followed(
         await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
         await a.uploader.wait_idle()
         assert data_keys(store) == {"step_1/", "step_1/shard_0", "step_1/shard_1"}
-        assert any(k.startswith(MOVED) for k in store_named(store))
+        # A record for B's version, the one A moved (none for A's own: it knows).
+        assert any(k.startswith(mailbox_of(b.name)) for k in store_named(store))
+        assert not any(k.startswith(mailbox_of(a.name)) for k in store_named(store))
         for _ in range(3):  # ls -R a few times, as a user would
             await trio.sleep(10)
             await list_all(b.fs)
@@ -91,6 +87,8 @@ async def test_tmp_dir_commit_by_another_node_is_followed(
             await ino_of(b.fs, "step_1.tmp/shard_1")
         assert await read(b.fs, "step_1/shard_1") == b"b" * 1000
         assert await read(b.fs, "step_1/shard_0") == b"a" * 1000
+        # B acted on the record and deleted it.
+        assert not any(k.startswith(mailbox_of(b.name)) for k in store_named(store))
         await a.stop()
         await b.stop()
 
@@ -110,9 +108,10 @@ async def test_a_lost_object_without_a_move_record_is_uploaded_again(
         await b.stop()
 
 
-async def test_a_move_record_older_than_the_commit_is_not_followed(
+async def test_a_record_of_another_version_is_not_followed(
         tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
-    """``step_1.tmp`` renamed once, then written again here and lost: not the same file."""
+    """``x.tmp`` renamed once by A, then written again by B (the same bytes, a version of
+    its own) and lost: A's record names A's version, not B's, whatever the clocks say."""
     async with trio.open_nursery() as nursery:
         a = await nursery.start(run_node, tmp_path / "a", store)
         await a.write("x.tmp/f", b"1" * 100)

@@ -528,9 +528,9 @@ async def test_a_deletion_pending_when_a_listing_starts_and_done_before_its_merg
         may_delete, answered, merge = trio.Event(), trio.Event(), trio.Event()
         delete, list_dir = a.tier.delete, a.tier.list_dir
 
-        async def held_delete(key: str) -> None:
+        async def held_delete(key: str, *, if_etag: str | None = None) -> None:
             await may_delete.wait()
-            await delete(key)
+            await delete(key, if_etag=if_etag)
 
         async def stale_list_dir(prefix: str) -> list[ObjectInfo]:
             entries = await list_dir(prefix)

@@ -81,11 +81,11 @@ class TreeTier(RecordingTier):
         self._make_parents(dst)
         return await super().copy(src, dst, if_etag=if_etag)
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
         if key.endswith("/") and any(k != key and k.startswith(key) for k in self.objects):
             await trio.lowlevel.checkpoint()
             raise NotEmptyYet(f"{key} is not empty yet")
-        await super().delete(key)
+        await super().delete(key, if_etag=if_etag)
 
 
 def _parents(key: str) -> list[str]:
@@ -145,11 +145,11 @@ async def test_a_directory_not_empty_yet_is_no_outage(
     real_delete = tree.tier.delete
     failed: list[str] = []
 
-    async def delete(key: str) -> None:
+    async def delete(key: str, *, if_etag: str | None = None) -> None:
         if key == "a/b/c/f" and not failed:
             failed.append(key)
             raise StoreUnavailable("injected failure (delete)")
-        await real_delete(key)
+        await real_delete(key, if_etag=if_etag)
 
     tree.tier.delete = delete  # type: ignore[method-assign]
     outage_seen = False

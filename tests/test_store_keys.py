@@ -185,7 +185,8 @@ async def test_local_only_unlink_during_a_put_keeps_the_store_copy(
 async def test_a_move_copies_only_the_version_it_checked(
         rig: Rig, autojump_clock: trio.abc.Clock) -> None:
     """Another node rewrites ``ckpt`` between the move's HEAD and its COPY: the pinned copy
-    refuses, and ``ckpt.prev`` never gets the other node's bytes under our name."""
+    refuses, and ``ckpt.prev`` never gets the other node's bytes under our name (this node
+    wrote ``ckpt``: a file it wrote is not followed to another node's version)."""
     await rig.write("ckpt", b"old" * 1000)
     await rig.settle()
     await _evict(rig, "ckpt")
@@ -206,7 +207,10 @@ async def test_a_move_copies_only_the_version_it_checked(
         await rig.settle()
     assert rig.objects.get("ckpt.prev") is None or \
         rig.objects["ckpt.prev"].body == b"old" * 1000
-    assert rig.uploader.failed()  # reported: the only copy of ckpt.prev was overwritten
+    # Reported, not retried forever (which would hold every later marker of this node): the
+    # only copy of ckpt.prev was overwritten, so it is incomplete.
+    assert rig.fs.ns.get(await rig.ino("ckpt.prev")).incomplete
+    assert not rig.uploader.outstanding()
 
 
 async def test_a_marker_moving_away_from_a_key_a_new_marker_wants_does_not_deadlock(

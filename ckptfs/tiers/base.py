@@ -23,8 +23,8 @@ Invariants every implementation keeps (tests/test_tier_contract.py checks them):
 - Errors are ``StoreUnavailable`` (transient: retry later) or ``TierError`` (permanent);
   ``NotEmptyYet`` (a ``StoreUnavailable``) when a file tier's directory still has entries;
   ``ObjectMissing`` for a missing key; ``PreconditionFailed`` when a conditional operation
-  (``put_small`` with ``if_absent``/``if_tag``, ``copy`` with ``if_etag``) finds another
-  version than the one named.
+  (``put_small`` with ``if_absent``/``if_tag``, ``copy`` or ``delete`` with ``if_etag``)
+  finds another version than the one named.
 - ``copy`` keeps every piece of metadata (``ObjectMeta``: mode, owner, checksum, block CRCs)
   whatever the object's size, and a pinned copy (``if_etag``) copies that version or fails:
   never a mix of versions, never the bytes of a version written after the caller looked.
@@ -130,6 +130,9 @@ class ObjectMeta:
     blocks: str | None = None
     # A special file's device number (character and block devices; 0 for FIFOs and sockets).
     rdev: int = 0
+    # Which node wrote this version and which of its versions it is ("<node>:<run>.<n>",
+    # peers.py): records of what other nodes did to an object name it. A copy keeps it.
+    stamp: str | None = None
 
     def to_headers(self) -> dict[str, str]:
         """As S3 user metadata (x-amz-meta-ckptfs-*) or file-tier xattrs."""
@@ -146,6 +149,9 @@ class ObjectMeta:
             headers["ckptfs-blocks"] = self.blocks
         if self.rdev:
             headers["ckptfs-rdev"] = str(self.rdev)
+        if self.stamp:
+            # S3 metadata is ASCII: a node id is percent-encoded like a symlink target.
+            headers["ckptfs-stamp"] = quote(self.stamp, safe=":._-~")
         if self.target is not None:
             # S3 metadata is ASCII: the target is percent-encoded (its bytes, surrogateescape).
             headers["ckptfs-target"] = quote(self.target.encode("utf-8", "surrogateescape"),
@@ -178,6 +184,7 @@ class ObjectMeta:
                     if "ckptfs-target" in headers else None),
             blocks=headers.get("ckptfs-blocks"),
             rdev=num("ckptfs-rdev"),
+            stamp=unquote(headers["ckptfs-stamp"]) if "ckptfs-stamp" in headers else None,
         )
 
 
@@ -293,8 +300,13 @@ class Tier(abc.ABC):
         if ``src`` is absent. Returns the new object's tag when the store tells it."""
 
     @abc.abstractmethod
-    async def delete(self, key: str) -> None:
-        """Remove ``key`` (a file, a symlink, or an empty-directory marker ``key/``)."""
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
+        """Remove ``key`` (a file, a symlink, or an empty-directory marker ``key/``). With
+        ``if_etag``, only if it still holds that version (its ``ObjectInfo.etag``), else
+        ``PreconditionFailed``: a deletion of the version someone saw never takes a newer
+        one written since. Where the store has no conditional delete this is a HEAD, then
+        the delete: the rare version written between the two is deleted too, and its writer,
+        which no record tells that it was deleted, uploads it again (peers.py)."""
 
     def is_transient(self, exc: BaseException) -> bool:
         """Whether retrying later may succeed."""

@@ -134,9 +134,9 @@ class FaultyTier(Tier):
         await self._gate("copy")
         return await self.inner.copy(src, dst, if_etag=if_etag)
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
         await self._gate("delete")
-        await self.inner.delete(key)
+        await self.inner.delete(key, if_etag=if_etag)
 
     def is_transient(self, exc: BaseException) -> bool:
         return self.inner.is_transient(exc)

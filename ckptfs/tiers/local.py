@@ -64,6 +64,7 @@ TMP_MARK = ".ckptfs-tmp."
 CHUNK = 16 * 1024 * 1024
 _XATTR_CHECKSUM = "user.ckptfs.checksum"
 _XATTR_BLOCKS = "user.ckptfs.blocks"
+_XATTR_STAMP = "user.ckptfs.stamp"
 # On the empty regular file that stands for a special file: "<st_mode in octal>:<rdev>".
 # Never the real special file in the store (tiers/base.py): a FIFO there would block a
 # reader of the store, a device node would open a device wherever the store is not nodev.
@@ -432,7 +433,7 @@ class FileTier(Tier):
         tag: str = await self._run(do_copy, key=src)
         return tag
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
         parents, name = self._split(key)
 
         def remove() -> None:
@@ -441,6 +442,10 @@ class FileTier(Tier):
             except (FileNotFoundError, NotADirectoryError):
                 return  # nothing there (a file where a directory was: not ours either)
             try:
+                if if_etag is not None:
+                    # Only the version named (the check and the unlink are two calls: the
+                    # base class says what the rare write between them costs).
+                    _check_tag(_lstat_at(dir_fd, name), if_etag, key)
                 if key.endswith("/"):
                     os.rmdir(name, dir_fd=dir_fd)
                 else:
@@ -749,7 +754,8 @@ def _finish(fd: int, meta: ObjectMeta) -> None:
     os.fchmod(fd, stat.S_IMODE(meta.mode))
     if os.geteuid() == 0:
         os.fchown(fd, meta.uid, meta.gid)
-    for name, value in ((_XATTR_CHECKSUM, meta.checksum), (_XATTR_BLOCKS, meta.blocks)):
+    for name, value in ((_XATTR_CHECKSUM, meta.checksum), (_XATTR_BLOCKS, meta.blocks),
+                        (_XATTR_STAMP, meta.stamp)):
         if not value:
             continue
         try:
@@ -820,7 +826,7 @@ def _full_copy(fin: int, dst_dir: int, dst_name: str) -> None:
         os.fchmod(fout, stat.S_IMODE(st.st_mode))
         if os.geteuid() == 0:
             os.fchown(fout, st.st_uid, st.st_gid)
-        for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS, _XATTR_SPECIAL):
+        for name in (_XATTR_CHECKSUM, _XATTR_BLOCKS, _XATTR_SPECIAL, _XATTR_STAMP):
             try:
                 os.setxattr(fout, name, os.getxattr(fin, name))
             except OSError:
@@ -852,8 +858,12 @@ def _info(dir_fd: int, name: str, key: str) -> ObjectInfo:
         blocks: str | None = _getxattr_at(dir_fd, name, _XATTR_BLOCKS).decode()
     except OSError:
         blocks = None
+    try:
+        stamp: str | None = _getxattr_at(dir_fd, name, _XATTR_STAMP).decode()
+    except OSError:
+        stamp = None
     meta = ObjectMeta(Kind.FILE, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid, st.st_gid,
-                      checksum, blocks=blocks)
+                      checksum, blocks=blocks, stamp=stamp)
     return ObjectInfo(key, st.st_size, meta, etag=_tag(st))
 
 

@@ -155,8 +155,11 @@ class MemoryTier(Tier):
         new = self.objects[dst] = _Object(obj.body, obj.meta, storage_class=self.storage_class)
         return new.tag
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
         await trio.lowlevel.checkpoint()
+        obj = self.objects.get(key)
+        if obj is not None and if_etag is not None and obj.tag != if_etag:
+            raise PreconditionFailed(f"{key}: changed (tag {obj.tag}, expected {if_etag})")
         self.objects.pop(key, None)
 
     async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,

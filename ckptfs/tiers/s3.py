@@ -613,8 +613,22 @@ class S3Tier(Tier):
             raise
         return _tag(done.get("ETag"))
 
-    async def delete(self, key: str) -> None:
-        await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
+        if if_etag is None:
+            await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+            return
+        # A HEAD first: not every S3 server honours If-Match on DeleteObject (AWS, MinIO and
+        # SeaweedFS differ), and one that ignores it must not delete a newer version. Where
+        # it is honoured it also closes the gap between the HEAD and the delete.
+        try:
+            found = (await self.head(key)).etag
+        except ObjectMissing:
+            return
+        if found != if_etag:
+            raise PreconditionFailed(f"{self.url}: {key}: changed (ETag {found}, expected "
+                                     f"{if_etag})")
+        await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key),
+                         IfMatch=if_etag)
 
     async def aclose(self) -> None:
         self.client.close()
