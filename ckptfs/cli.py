@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
 from ckptfs import client
 from ckptfs.config import MAX_DURATION_S, Config, config_path, load_config, store_url
 from ckptfs.errors import UserError
-from ckptfs.mountinfo import FSTYPE, check_mountpoint, find
+from ckptfs.mountinfo import FSTYPE, check_mountpoint, check_staging_place, find
 
 app = typer.Typer(
     name="ckptfs",
@@ -312,9 +312,10 @@ def mount(
     if not foreground:
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
+        check_staging_place(config.staging_dir, mountpoint)
         _check_log_file(config, mountpoint)
         warnings = _check_stores(config)
-        _spawn_daemon(mountpoint, config_file, overrides)
+        warnings += _spawn_daemon(mountpoint, config_file, overrides)
         # After the mount: a failed one prints its one error line and nothing else.
         for warning in warnings:
             print("ckptfs: warning: " + warning, file=sys.stderr)
@@ -370,8 +371,10 @@ def _check_stores(config: Config) -> list[str]:
     return check_stores(config)
 
 
-def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]) -> None:
-    """Start ``mount --foreground`` detached and relay its readiness or its one-line error."""
+def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]
+                  ) -> list[str]:
+    """Start ``mount --foreground`` detached and relay its readiness or its one-line error;
+    returns the warnings it reported before it was ready (one line each)."""
     from ckptfs.mounthelper import format_option
 
     args = [sys.executable, "-m", "ckptfs", "mount", os.path.abspath(mountpoint), "--foreground"]
@@ -403,9 +406,10 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
             env=env,
         )
     os.close(write_end)
-    message = _read_ready(read_end, proc)
+    warnings, message = _read_ready(read_end, proc)
     if message != "ok":
         raise UserError(message.removeprefix("error: "), exit_code=1)
+    return warnings
 
 
 def _ready_line(config: Config, mountpoint: Path) -> str:
@@ -422,7 +426,13 @@ def _ready_line(config: Config, mountpoint: Path) -> str:
     return f"ckptfs: {os.path.abspath(mountpoint)} ready{ro}: {', '.join(tiers)}"
 
 
-def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
+# The daemon's report through --ready-fd: zero or more "warning: ..." lines, then "ok" or
+# "error: ...", then the end of the pipe.
+WARNING_PREFIX = "warning: "
+
+
+def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> tuple[list[str], str]:
+    """The warnings the daemon reported and its last word ("ok" or "error: ...")."""
     chunks = []
     deadline = time.monotonic() + READY_TIMEOUT
     with os.fdopen(fd, "rb") as pipe:
@@ -431,14 +441,42 @@ def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
             if not chunk:
                 break
             chunks.append(chunk)
-    text = " ".join(b"".join(chunks).decode(errors="replace").split())
-    if text:
-        return text
+    lines = [line.strip() for line in b"".join(chunks).decode(errors="replace").splitlines()]
+    warnings = [line.removeprefix(WARNING_PREFIX) for line in lines
+                if line.startswith(WARNING_PREFIX)]
+    last = [line for line in lines if line and not line.startswith(WARNING_PREFIX)]
+    if last:
+        return warnings, last[-1]
     try:
         code = proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        return f"error: the ckptfs daemon (pid {proc.pid}) did not report the mount as ready"
-    return f"error: the ckptfs daemon exited (code {code}) before the mount was ready"
+        return warnings, (f"error: the ckptfs daemon (pid {proc.pid}) did not report the "
+                          "mount as ready")
+    return warnings, f"error: the ckptfs daemon exited (code {code}) before the mount was ready"
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc`` (a trio nursery wraps what its tasks raised in groups)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _mount_failure(exc: BaseException) -> UserError | None:
+    """Why a mount failed, as the one line a user reads: the user error inside ``exc`` if
+    there is one, else the first real exception (a bug: the traceback goes to the log).
+    None for a plain stop (a signal, a cancellation)."""
+    import trio
+
+    leaves = [leaf for leaf in _leaves(exc)
+              if not isinstance(leaf, (trio.Cancelled, KeyboardInterrupt, SystemExit))]
+    for leaf in leaves:
+        if isinstance(leaf, UserError):
+            return leaf
+    if not leaves:
+        return None
+    leaf = leaves[0]
+    return UserError(f"{type(leaf).__name__}: {leaf}" if str(leaf) else type(leaf).__name__)
 
 
 def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
@@ -446,17 +484,27 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 
     from ckptfs.passthrough import use_patched_pyfuse3
 
+    def send(line: str) -> None:
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, " ".join(line.split()).encode() + b"\n")
+            except OSError:
+                pass  # the parent is gone; nobody is waiting for the answer
+
     def report(message: str) -> None:
         nonlocal ready_fd
         if ready_fd is not None:
-            fd, ready_fd = ready_fd, None
-            try:
-                os.write(fd, " ".join(message.split()).encode() + b"\n")
-            except OSError:
-                pass  # the parent is gone; nobody is waiting for the answer
-            finally:
-                os.close(fd)
+            send(message)
+            os.close(ready_fd)
+            ready_fd = None
 
+    def warn(message: str) -> None:
+        if ready_fd is not None:
+            send(WARNING_PREFIX + message)
+        else:  # in the foreground (systemd): where the log goes too
+            print("ckptfs: warning: " + message, file=sys.stderr, flush=True)
+
+    detached = ready_fd is not None
     try:
         _setup_logging(config)
     except UserError as exc:
@@ -467,37 +515,38 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
     # Before ckptfs.mount imports pyfuse3: the passthrough build unless passthrough = off.
     use_patched_pyfuse3(config.passthrough)
     from ckptfs import mount as mount_mod
-    from ckptfs.storecheck import store_identity
 
     try:
-        real_mountpoint, staging = mount_mod.prepare(config, mountpoint)
-        try:
-            staging.check_store_identity(store_identity(config), adopt=config.adopt_store)
-        except BaseException:
-            staging.close()
-            raise
+        real_mountpoint, staging, claim = mount_mod.prepare(config, mountpoint)
     except UserError as exc:
         if ready_fd is None:
             raise
         # The parent prints the one line; printing it here too would show it twice.
         report(f"error: {exc}")
         raise SystemExit(exc.exit_code) from None
-    if ready_fd is not None:
+    log_path = staging.root / mount_mod.LOG_NAME
+    if detached:
         # Detached: from here on, logs go to the staging directory.
-        log_fd = os.open(staging.root / mount_mod.LOG_NAME,
-                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
     try:
-        trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"))
+        trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"),
+                 claim, warn)
     except BaseException as exc:
-        if ready_fd is not None:
-            what = str(exc) or type(exc).__name__
-            if not isinstance(exc, UserError):
-                what += f" (details in {staging.root / mount_mod.LOG_NAME})"
-            report(f"error: {what}")
-        raise
+        failure = _mount_failure(exc)
+        if failure is None:
+            raise
+        bug = not any(isinstance(leaf, UserError) for leaf in _leaves(exc))
+        logging.getLogger("ckptfs.mount").error(
+            "mount of %s failed: %s", real_mountpoint, failure, exc_info=exc if bug else None)
+        where = config.log_file or (log_path if detached else "the daemon's log (stderr)")
+        text = str(failure) + (f" (details in {where})" if bug else "")
+        if detached:
+            report(f"error: {text}")
+            raise SystemExit(failure.exit_code if not bug else 1) from None
+        raise UserError(text, exit_code=failure.exit_code) from None
 
 
 @app.command()
