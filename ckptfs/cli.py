@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover
 from ckptfs import client
 from ckptfs.config import MAX_DURATION_S, Config, config_path, load_config, store_url
 from ckptfs.errors import UserError
+from ckptfs.humanize import console, count, human_bytes, plural
 from ckptfs.mountinfo import FSTYPE, check_mountpoint, check_staging_place, find
 
 app = typer.Typer(
@@ -816,73 +817,134 @@ def status(
             reports.append(client.status(target))
         except (UserError, OSError) as exc:
             if mountpoint is not None:
-                raise UserError(str(exc)) from None
+                raise UserError(str(exc), exit_code=1) from None
             reports.append({"mountpoint": target, "error": str(exc)})
     silent = [r["mountpoint"] for r in reports if "error" in r]
     if as_json:
         print(json.dumps(reports if mountpoint is None else reports[0], indent=2))
         _no_answer(silent)
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    out = console()
     for r in reports:
         if "error" in r:
-            console.print(f"[red]ckptfs {r['mountpoint']}: {r['error']}")
+            out.print(f"[red]ckptfs {r['mountpoint']}: {r['error']}")
             continue
         table = Table(title=f"ckptfs {r['mountpoint']}", show_header=False, title_justify="left")
-        table.add_row("daemon", f"pid {r['pid']}, up {r['uptime_s']:.0f}s")
-        tiers = r.get("tiers") or [{"name": "warm", "url": r["warm_tier"]}]
-        table.add_row("tiers", "\n".join(f"{t['name']}: {t['url']}" for t in tiers))
-        staging = r["staging"]
-        table.add_row("staging", f"{r['staging_dir']}: {_human(staging.get('used_bytes', 0))} "
-                      f"held, {_human(staging['free_bytes'])} free of "
-                      f"{_human(staging['total_bytes'])}")
-        table.add_row("queue", f"{r['queue']['files']} files, {_human(r['queue']['bytes'])}")
-        table.add_row("uploaded", f"{r['uploaded']['files']} files, "
-                                  f"{_human(r['uploaded']['bytes'])}")
-        table.add_row("upload rate", f"{_human(r['upload_rate_bytes_per_s'])}/s"
-                      + (f", ETA {r['eta_s']:.0f}s" if r["eta_s"] else ""))
-        if "fetch" in r:
-            table.add_row("fetched", f"{_human(r['fetch']['bytes'])}, "
-                          f"{_human(r['fetch']['rate_bytes_per_s'])}/s")
-            table.add_row("writers stalled", f"{r['write_stall_s']:.1f}s")
-        pt = r.get("passthrough")
-        if pt:
-            table.add_row("passthrough", (
-                f"active: {pt['opens']['passthrough']} opens served by the kernel, "
-                f"{pt['opens']['daemon']} by the daemon") if pt["active"]
-                else f"off: {pt['reason']}")
-        loop = r.get("loop")
-        if loop:
-            table.add_row("daemon loop", (
-                f"longest stall {loop['recent_longest_stall_s'] * 1000:.0f} ms in the last "
-                f"5 min ({loop['longest_stall_s'] * 1000:.0f} ms since the mount, "
-                f"{loop['stalls']} over 100 ms); {loop['gc_full_collections']} full garbage "
-                f"collections, longest {loop['gc_longest_s'] * 1000:.0f} ms"))
-        outage = r.get("store_outage")
-        if outage:
-            table.add_row("store", f"down for {outage['down_for_s']:.0f}s "
-                          f"({outage['failures_in_a_row']} failures in a row); next probe in "
-                          f"{outage['next_probe_in_s']:.0f}s, the queue waits for it")
-        more = r.get("failed_count", len(r["failed"])) - len(r["failed"])
-        table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
-                      + (f"\n... and {more} more" if more > 0 else "") or "none")
-        table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")
-        node = r.get("node")
-        if node:
-            table.add_row("node", node["node"] + ("" if node["registered"] else " (not registered)"))
-            if node["held_markers"]:
-                table.add_row("markers held", _held_text(r["mountpoint"], node))
-            hold = node.get("hold")
-            if hold:
-                held = ", ".join(hold.get("barriers") or []) or "none yet"
-                table.add_row("holding", f"{hold['reason']}\nbarriers held: {held}")
-            if node["error"]:
-                table.add_row("coordination", node["error"])
-        console.print(table)
+        for name, value in _status_rows(r):
+            table.add_row(name, value)
+        out.print(table)
     _no_answer(silent)
+
+
+def _status_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of ``status``'s table for one mount's report (``--json`` has it all)."""
+    rows = [("daemon", f"pid {r['pid']}, up {r['uptime_s']:.0f}s")]
+    tiers = r.get("tiers") or [{"name": "warm", "url": r["warm_tier"]}]
+    rows.append(("tiers", "\n".join(f"{t['name']}: {t['url']}" for t in tiers)))
+    staging = r["staging"]
+    rows.append(("staging", (f"{r['staging_dir']}: {_human(staging.get('used_bytes', 0))} "
+                 f"held, {_human(staging['free_bytes'])} free of "
+                 f"{_human(staging['total_bytes'])}")))
+    queue = r["queue"]
+    rows.append(("queue", f"{count(queue['files'], 'file')}, {_human(queue['bytes'])}"))
+    rows.append(("uploaded", (f"{count(r['uploaded']['files'], 'file')}, "
+                 f"{_human(r['uploaded']['bytes'])}")))
+    rate = f"{_human(r['upload_rate_bytes_per_s'])}/s"
+    unavailable = r.get("store_unavailable_since")
+    if unavailable is not None:
+        rate += f"; no ETA: the store is unavailable since {_clock(unavailable)}"
+    elif r.get("eta_s"):
+        rate += f", ETA {_duration(r['eta_s'])}"
+    rows.append(("upload rate", rate))
+    if "fetch" in r:
+        rows.append(("fetched", (f"{_human(r['fetch']['bytes'])}, "
+                     f"{_human(r['fetch']['rate_bytes_per_s'])}/s")))
+        stalled = f"{r['write_stall_s']:.1f}s"
+        wait = (r.get("node") or {}).get("registration_wait")
+        if wait:
+            stalled += (f"; now {_waiting(wait['requests'])} for this node's registration "
+                        f"in the store, since {_clock(wait['since'])} "
+                        f"({wait['waiting_s']:.0f}s; they fail with EIO after "
+                        f"{wait['limit_s']:.0f}s, register_timeout)"
+                        + (f": {wait['error']}" if wait.get("error") else ""))
+        rows.append(("writers stalled", stalled))
+    pt = r.get("passthrough")
+    if pt:
+        rows.append(("passthrough", (
+            f"active: {pt['opens']['passthrough']} opens served by the kernel, "
+            f"{pt['opens']['daemon']} by the daemon") if pt["active"]
+            else f"off: {pt['reason']}"))
+    loop = r.get("loop")
+    if loop:
+        rows.append(("daemon loop", (
+            f"longest stall {loop['recent_longest_stall_s'] * 1000:.0f} ms in the last "
+            f"5 min ({loop['longest_stall_s'] * 1000:.0f} ms since the mount, "
+            f"{loop['stalls']} over 100 ms); {loop['gc_full_collections']} full garbage "
+            f"collections, longest {loop['gc_longest_s'] * 1000:.0f} ms")))
+    outage = r.get("store_outage")
+    if outage:
+        rows.append(("store", (f"down for {outage['down_for_s']:.0f}s "
+                     f"({outage['failures_in_a_row']} failures in a row); next probe in "
+                     f"{outage['next_probe_in_s']:.0f}s, the queue waits for it")))
+    failed = r["failed"]
+    more = r.get("failed_count", len(failed)) - len(failed)
+    rows.append(("failing", "\n".join(_failing(f) for f in failed)
+                 + (f"\n... and {more} more" if more > 0 else "") or "none"))
+    writing = r.get("open_for_writing") or []
+    more = r.get("open_for_writing_count", len(writing)) - len(writing)
+    rows.append(("open for writing", "\n".join(writing)
+                 + (f"\n... and {more} more" if more > 0 else "") or "none"))
+    rows.append(("incomplete", "\n".join(r["incomplete"]) or "none"))
+    node = r.get("node")
+    if node:
+        rows.append(("node", node["node"] + ("" if node["registered"] else " (not registered)")))
+        if node["held_markers"]:
+            rows.append(("markers held", _held_text(r["mountpoint"], node)))
+        hold = node.get("hold")
+        if hold:
+            held = ", ".join(hold.get("barriers") or []) or "none yet"
+            rows.append(("holding", f"{hold['reason']}\nbarriers held: {held}"))
+        if node["error"]:
+            rows.append(("coordination", node["error"]))
+    return rows
+
+
+def _failing(item: dict[str, Any]) -> str:
+    """One failing item: what, the error, the attempts and when the next one comes."""
+    attempts = item.get("attempts")
+    retry = item.get("retry_in_s")
+    when = ("next try after the store answers a probe" if retry is None
+            else f"next try in {_duration(retry)}")
+    tried = "" if attempts is None else f"{count(attempts, 'attempt')}, "
+    return f"{item['item']}: {item['error']} ({tried}{when})"
+
+
+def _waiting(requests: dict[str, int]) -> str:
+    """``"1 mkdir waits"``, ``"3 requests (create, mkdir) wait"``."""
+    n = sum(requests.values())
+    if len(requests) == 1:
+        return f"{n} {next(iter(requests))} {plural(n, 'waits', 'wait')}"
+    return f"{n} requests ({', '.join(sorted(requests))}) wait"
+
+
+def _clock(when: float) -> str:
+    """A wall time as an operator reads it in a report: ``12:03:04`` (today) or the date."""
+    local = time.localtime(when)
+    if time.strftime("%Y-%m-%d", local) == time.strftime("%Y-%m-%d"):
+        return time.strftime("%H:%M:%S", local)
+    return time.strftime("%Y-%m-%d %H:%M:%S", local)
+
+
+def _duration(seconds: float) -> str:
+    """``"45s"``, ``"12m 5s"``, ``"3h 20m"``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
 
 
 @app.command()
@@ -900,7 +962,6 @@ def nodes(
     if as_json:
         print(json.dumps(reply, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("node", "host", "pid", "registered", "last seen", "not uploaded", "",
@@ -916,7 +977,7 @@ def nodes(
             f"{n['pending_files']} files, {_human(n.get('pending_bytes') or 0)}"
         table.add_row(n["node"], str(n.get("host", "?")), str(n.get("pid", "?")), when,
                       _ago(n.get("seen_ago_s")), pending, note)
-    Console().print(table)
+    console().print(table)
     if reply.get("held_markers"):
         print(f"markers held on this node: {', '.join(reply['held_markers'])}")
 
@@ -982,11 +1043,11 @@ def retention(
 
 
 def _no_answer(mountpoints: list[str]) -> None:
-    """Exit non-zero, after the report, when a daemon did not answer (monitoring relies on it)."""
+    """Exit non-zero, after the report, when a daemon did not answer (monitoring relies on it):
+    the report above says why, for each."""
     if mountpoints:
-        raise UserError(f"no answer from the ckptfs daemon of {', '.join(mountpoints)}: see "
-                        "its log (<staging_dir>/daemon.log, or journalctl under systemd)",
-                        exit_code=1)
+        raise UserError(f"no answer from the ckptfs daemon of {', '.join(mountpoints)} (see "
+                        "above)", exit_code=1)
 
 
 def _existing(path: Path) -> Path:
@@ -997,12 +1058,7 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+_human = human_bytes
 
 
 def _alive(pid: int) -> bool:

@@ -276,6 +276,10 @@ class Config(_Strict):
     # never waits for the store, but a killed node holds the others' markers even if it only
     # read (coordination.py).
     register_at_mount: bool = False
+    # How long a node's first change waits for its registration in the store (the store
+    # down or refusing) before it fails with EIO; status and metrics count the wait as a
+    # stall of the writers (coordination.py ``enlist``).
+    register_timeout: Duration = timedelta(minutes=5)
     node_idle_poll_interval: Duration = timedelta(seconds=10)
     staging_max_bytes: int | None = Field(default=None, ge=1)
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)

@@ -98,63 +98,63 @@ class RegisteringOps(FuseOps):
         super().__init__(fs, **kwargs)
         self.coordinator = coordinator
 
-    async def _enlist(self) -> None:
+    async def _enlist(self, what: str) -> None:
         coordinator = self.coordinator
         if coordinator.enlisted and coordinator.registered:
             return
         try:
-            await coordinator.enlist()
+            await coordinator.enlist(what)
         except (StoreUnavailable, DuplicateNode) as exc:
             log.error("refusing a change: %s", exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            await self._enlist()
+            await self._enlist("open for writing")
         return await super().open(inode, flags, ctx)
 
     async def create(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("create")
         return await super().create(*args, **kwargs)
 
     async def setattr(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("setattr")
         return await super().setattr(*args, **kwargs)
 
     async def mknod(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("mknod")
         return await super().mknod(*args, **kwargs)
 
     async def mkdir(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("mkdir")
         return await super().mkdir(*args, **kwargs)
 
     async def unlink(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("unlink")
         await super().unlink(*args, **kwargs)
 
     async def rmdir(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("rmdir")
         await super().rmdir(*args, **kwargs)
 
     async def symlink(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("symlink")
         return await super().symlink(*args, **kwargs)
 
     async def rename(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("rename")
         await super().rename(*args, **kwargs)
 
     async def link(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("link")
         return await super().link(*args, **kwargs)
 
     async def setxattr(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("setxattr")
         await super().setxattr(*args, **kwargs)
 
     async def removexattr(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("removexattr")
         await super().removexattr(*args, **kwargs)
 
 
@@ -355,7 +355,7 @@ async def serve(
             poll=config.node_poll_interval.total_seconds(),
             idle_poll=config.node_idle_poll_interval.total_seconds(),
             token=node_token(staging.root), run=run,
-            register_timeout=config.write_stall_timeout.total_seconds())
+            register_timeout=config.register_timeout.total_seconds())
         uploader.coordinator = coordinator
         left = uploader.work_left()
         if config.read_only:
