@@ -286,8 +286,8 @@ def test_fstab_asks_for_set_id_bits_with_ckptfs_suid(tmp_path: Path, fstab_mount
     done = mount("nosuid,ckptfs.suid")
     assert done.returncode != 0 and not is_mounted(mnt)
     assert done.stderr.splitlines() == [
-        "mount.ckptfs: error: mount options 'ckptfs.suid' and 'nosuid' contradict each other "
-        "(and mount(8) does not keep their order): give one"], done.stderr
+        ("mount.ckptfs: error: mount options 'ckptfs.suid' and 'nosuid' contradict each other "
+        "(and mount(8) does not keep their order): give one")], done.stderr
 
 
 def test_install_script_installs_under_destdir(tmp_path: Path) -> None:
