@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mounter, ckptfs, status, tiers_config
+from tests.mounting import Mounter, ckptfs, status, sync, tiers_config
 from tests.seaweed import Seaweed
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
@@ -226,6 +226,26 @@ def test_a_first_change_waiting_for_the_registration_is_a_stall(
     down.unlink()
     (m.path / "step_1").mkdir()  # the store is back: the first change registers and goes
     assert status(m)["node"]["registered"]
+
+
+def test_tables_without_a_terminal_print_whole_values(tmp_path: Path, mounter: Mounter) -> None:
+    """Piped (a batch log, grep): node ids, paths and states are printed whole, however wide
+    the table gets; ``--json`` stays the format for programs."""
+    node = "gpu-node-0042-of-a-cluster-with-a-long-naming-scheme-" + "x" * 40
+    m = mounter(extra=["-o", f"node_id={node}"])
+    name = "step_100_" + "descriptive-run-name-" * 4
+    (m.path / name).mkdir()
+    (m.path / name / "model.pt").write_bytes(b"m" * 1000)
+    sync(m)
+    env = {**os.environ, "COLUMNS": "80"}
+    nodes = ckptfs("nodes", m.path, env=env).stdout
+    assert node in nodes, nodes
+    assert max(map(len, nodes.splitlines())) > 80
+    tiers = ckptfs("ls-tiers", m.path, env=env).stdout
+    row = next(line for line in tiers.splitlines() if name in line)
+    assert "committed" in row and "…" not in tiers, tiers
+    human = ckptfs("status", m.path, env=env).stdout
+    assert str(m.staging) in human and node in human, human
 
 
 SECRET_KEY = "opsTestSecret/Very+Private/9876543210"
