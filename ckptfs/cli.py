@@ -576,11 +576,19 @@ def umount(
     if entry.fstype != FSTYPE:
         raise UserError(f"{mountpoint} is not a ckptfs mount (it is {entry.fstype})")
     info = client.daemon_info(Path(entry.mountpoint))
-    if wait and info is not None and not _sync_with_progress(
-            entry.mountpoint, "", timeout, "uploading before unmount"):
-        raise UserError(
-            f"uploads to the store did not finish within {timeout:.0f}s; not unmounted "
-            "(see 'ckptfs status', or use --no-wait)", exit_code=1)
+    try:
+        if wait and info is not None and not _sync_with_progress(
+                entry.mountpoint, "", timeout, "uploading before unmount"):
+            raise UserError(
+                f"uploads to the store did not finish within {timeout:.0f}s; not unmounted "
+                "(see 'ckptfs status', or use --no-wait)", exit_code=1)
+    except UserError as exc:
+        if exc.exit_code != 130:
+            raise
+        raise UserError(f"interrupted: {entry.mountpoint} is still mounted and its daemon "
+                        f"goes on uploading (watch it with 'ckptfs status "
+                        f"{entry.mountpoint}'; 'ckptfs umount {entry.mountpoint}' again to "
+                        "wait and unmount, --no-wait to unmount now)", exit_code=130) from None
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [entry.mountpoint]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -611,8 +619,9 @@ def umount(
         return
     files, size = int(report.get("files") or 0), int(report.get("bytes") or 0)
     if files:
-        print(f"ckptfs: {files} files ({size / 2**20:.1f} MiB) not uploaded; they stay in "
-              f"{staging} and go up at the next mount", file=sys.stderr)
+        print(f"ckptfs: {count(files, 'file')} ({_human(size)}) not uploaded; "
+              f"{plural(files, 'it stays', 'they stay')} in {staging} and "
+              f"{plural(files, 'goes', 'go')} up at the next mount", file=sys.stderr)
     if report.get("registered"):
         print(f"ckptfs: node {report.get('node')} stays registered: the commit markers of "
               "the other nodes mounting this store wait for it until it is mounted again "
@@ -643,40 +652,62 @@ def sync(
 
 
 def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: str) -> bool:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    """``client.sync`` with a progress bar on a terminal, a line every
+    ``BATCH_PROGRESS_EVERY`` seconds elsewhere. Ctrl-C: one line saying the uploads go on
+    (exit code 130)."""
+    from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    columns = (TextColumn(f"[bold]{what}"), BarColumn(), *byte_columns(),
+               TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
     started = time.monotonic()
     last_line = started
-    with _progress(*columns) as bar:
-        task = bar.add_task(what, total=None, note="")
+    try:
+        with _progress(*columns) as bar:
+            task = bar.add_task(what, total=None, note="")
 
-        def show(reply: dict[str, Any]) -> None:
-            nonlocal last_line
-            total = int(reply.get("total_bytes", 0))
-            done = total - int(reply["pending_bytes"])
-            errors = reply.get("errors") or []
-            waiting = reply.get("waiting") or []
-            note = (f"{reply['pending_files']} files left"
-                    + (f"; retrying: {errors[0]}" if errors else "")
-                    + (f"; {waiting[0]}" if waiting and not errors else ""))
-            bar.update(task, total=total or None, completed=done, note=note)
-            now = time.monotonic()
-            if bar.disable and now - last_line >= BATCH_PROGRESS_EVERY:
-                # No terminal (a batch job's log): a line now and then instead of a bar.
-                last_line = now
-                rate = done / max(now - started, 1e-9)
-                print(f"ckptfs: {what}: {_human(done)} of {_human(total)} "
-                      f"({_human(rate)}/s), {note}", file=sys.stderr, flush=True)
+            def show(reply: dict[str, Any]) -> None:
+                nonlocal last_line
+                total = int(reply.get("total_bytes", 0))
+                done = total - int(reply["pending_bytes"])
+                errors = reply.get("errors") or []
+                waiting = reply.get("waiting") or []
+                note = (f"{count(reply['pending_files'], 'file')} left"
+                        + (f"; retrying: {errors[0]}" if errors else "")
+                        + (f"; {waiting[0]}" if waiting and not errors else ""))
+                bar.update(task, total=total or None, completed=done, note=note)
+                now = time.monotonic()
+                if bar.disable and now - last_line >= BATCH_PROGRESS_EVERY:
+                    # No terminal (a batch job's log): a line now and then instead of a bar.
+                    last_line = now
+                    rate = done / max(now - started, 1e-9)
+                    print(f"ckptfs: {what}: {_human(done)} of {_human(total)} "
+                          f"({_human(rate)}/s), {note}", file=sys.stderr, flush=True)
 
-        return client.sync(mountpoint, rel, timeout, show)
+            return client.sync(mountpoint, rel, timeout, show)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: the daemon of {mountpoint} goes on uploading in the "
+                        f"background (watch it with 'ckptfs status {mountpoint}', or wait "
+                        f"again with 'ckptfs sync {mountpoint}')", exit_code=130) from None
+
+
+def byte_columns() -> tuple[Any, ...]:
+    """Progress columns of bytes done / total and the rate, in binary units (MiB) as
+    ``status`` counts, not rich's decimal MB."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Done(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            total = "?" if task.total is None else human_bytes(task.total)
+            return Text(f"{human_bytes(task.completed)}/{total}", style="progress.download")
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(speed)}/s",
+                        style="progress.data.speed")
+
+    return Done(), Rate()
 
 
 @app.command()
@@ -704,9 +735,10 @@ def evict(
         raise UserError("--dry-run is for an offline eviction (--staging DIR)")
     entry, rel = client.locate(_existing(path))
     reply = client.evict(entry.mountpoint, rel)
-    print(f"evicted {reply['evicted_files']} files, freed {_human(reply['freed_bytes'])}")
+    print(f"evicted {count(reply['evicted_files'], 'file')}, freed "
+          f"{_human(reply['freed_bytes'])}")
     if reply.get("kept_count"):
-        print(f"kept {reply['kept_count']} files that are open or not committed yet:")
+        print(f"kept {count(reply['kept_count'], 'file')} that are open or not committed yet:")
         for line in reply.get("kept", []):
             print(f"  {line}")
 
@@ -717,21 +749,23 @@ def _evict_offline(staging: Path, prefix: Path | None, dry_run: bool) -> None:
 
     done = evict_offline(Path(os.path.abspath(staging.expanduser())),
                          str(prefix) if prefix is not None else "", dry_run)
-    mib = done.freed_bytes / (1024 * 1024)
     if dry_run:
-        print(f"would evict {done.evicted_files} files, freeing {mib:.1f} MiB (dry run: "
-              "nothing changed)")
+        print(f"would evict {count(done.evicted_files, 'file')}, freeing "
+              f"{_human(done.freed_bytes)} (dry run: nothing changed)")
     else:
-        print(f"evicted {done.evicted_files} files, freed {mib:.1f} MiB")
+        print(f"evicted {count(done.evicted_files, 'file')}, freed {_human(done.freed_bytes)}")
     if done.kept:
-        print(f"kept {len(done.kept)} files on the NVMe:")
+        print(f"kept {count(len(done.kept), 'file')} on the NVMe:")
         for line in done.kept[:20]:
             print(f"  {line}")
-    free = f"{done.free_bytes / (1024 * 1024):.1f} MiB free on the staging filesystem"
+    free = f"{_human(done.free_bytes)} free on the staging filesystem"
+    if dry_run:
+        free = (f"{_human(done.free_before)} free on the staging filesystem now, "
+                f"{_human(done.free_bytes)} after")
     if done.mountable:
         print(free)
     else:
-        print(f"{free}: still too full to mount (at least "
+        print(f"{free}: {'would be ' if dry_run else ''}still too full to mount (at least "
               f"{MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed)")
 
 
@@ -753,10 +787,10 @@ def restore(
 ) -> None:
     """Restore files held only in an archive storage class (GLACIER, DEEP_ARCHIVE): request the
     restore, wait with progress, then keep them in the warm tier."""
-    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     entry, rel = client.locate(path)
-    columns = (TextColumn("[bold]restoring"), BarColumn(), DownloadColumn(),
+    columns = (TextColumn("[bold]restoring"), BarColumn(), byte_columns()[0],
                TimeElapsedColumn(), TextColumn("{task.fields[note]}"))
     with _progress(*columns) as bar:
         task = bar.add_task("restore", total=None, note="")
@@ -765,7 +799,7 @@ def restore(
             waiting = reply.get("waiting") or []
             bar.update(task, total=reply["total_bytes"] or None,
                        completed=reply["restored_bytes"],
-                       note=f"{reply['restored_files']}/{reply['files']} files"
+                       note=f"{reply['restored_files']}/{count(reply['files'], 'file')}"
                        + (f"; waiting for {waiting[0]}" if waiting else ""))
 
         result = client.restore(entry.mountpoint, rel, days=days, local=local,
@@ -776,7 +810,7 @@ def restore(
     if not result.get("files"):
         print(f"{path}: nothing to restore (no file there is only in an archive class)")
     else:
-        print(f"restored {result['restored_files']} files "
+        print(f"restored {count(result['restored_files'], 'file')} "
               f"({_human(result['restored_bytes'])}) to the warm tier")
 
 
@@ -819,7 +853,7 @@ def status(
             if mountpoint is not None:
                 raise UserError(str(exc), exit_code=1) from None
             reports.append({"mountpoint": target, "error": str(exc)})
-    silent = [r["mountpoint"] for r in reports if "error" in r]
+    silent = [r for r in reports if "error" in r]
     if as_json:
         print(json.dumps(reports if mountpoint is None else reports[0], indent=2))
         _no_answer(silent)
@@ -974,7 +1008,7 @@ def nodes(
         if n.get("hold"):
             note = (note + "; " if note else "") + "holding barriers (see its 'ckptfs status')"
         pending = "?" if n.get("pending_files") is None else \
-            f"{n['pending_files']} files, {_human(n.get('pending_bytes') or 0)}"
+            f"{count(n['pending_files'], 'file')}, {_human(n.get('pending_bytes') or 0)}"
         table.add_row(n["node"], str(n.get("host", "?")), str(n.get("pid", "?")), when,
                       _ago(n.get("seen_ago_s")), pending, note)
     console().print(table)
@@ -1004,7 +1038,8 @@ def _held_text(mountpoint: str, node: dict[str, Any]) -> str:
         files = info.get("pending_files")
         lines.append(f"  {name} (host {info.get('host', '?')}, last seen "
                      f"{_ago(info.get('seen_ago_s'))}"
-                     + ("" if files is None else f", {files} files not uploaded") + ")")
+                     + ("" if files is None else f", {count(files, 'file')} not uploaded")
+                     + ")")
     lines.append(f"a slow node needs nothing; one that is gone for good (check its host "
                  f"first) is dropped with 'ckptfs nodes {mountpoint} --forget ID': the "
                  "markers then go out without its files")
@@ -1042,12 +1077,11 @@ def retention(
     retention_cli.run_retention(mountpoint, config_path(config_file), not plan_only, as_json)
 
 
-def _no_answer(mountpoints: list[str]) -> None:
-    """Exit non-zero, after the report, when a daemon did not answer (monitoring relies on it):
-    the report above says why, for each."""
-    if mountpoints:
-        raise UserError(f"no answer from the ckptfs daemon of {', '.join(mountpoints)} (see "
-                        "above)", exit_code=1)
+def _no_answer(silent: list[dict[str, Any]]) -> None:
+    """Exit non-zero, after the report, when a daemon did not answer (monitoring relies on
+    it), saying why for each."""
+    if silent:
+        raise UserError("; ".join(str(r["error"]) for r in silent), exit_code=1)
 
 
 def _existing(path: Path) -> Path:

@@ -46,7 +46,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_INODE, State
 from ckptfs.loopwatch import LoopWatch
 from ckptfs.passthrough import PassthroughFiles
-from ckptfs.retention import Retention
+from ckptfs.retention import Retention, upload_progress
 from ckptfs.upload import Uploader, Work
 
 log = logging.getLogger(__name__)
@@ -491,7 +491,12 @@ class ControlServer:
                 done = not pending
             # Failures are retried ("errors"); a marker held for other nodes is a normal wait.
             errors = [w.error for w in outstanding if w.error]
-            await _send(stream, {"pending_files": pending, "pending_bytes": remaining,
+            # Bytes of the uploads in flight already sent: the progress moves within a file
+            # (as far as the tier reports it: a file tier per chunk, S3 per part).
+            sent = sum(done for key, done in upload_progress(self.uploader).items()
+                       if not path or key == path or key.startswith(path.rstrip("/") + "/"))
+            left = max(0, remaining - int(sent))
+            await _send(stream, {"pending_files": pending, "pending_bytes": left,
                                  "total_bytes": max(total, remaining), "errors": errors[:3],
                                  "waiting": self._held()[:3]})
             if done:

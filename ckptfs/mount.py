@@ -254,8 +254,9 @@ def _adopted(claim: StoreClaim, staging: Staging, journal: Journal,
              on_warning: Callable[[str], None]) -> None:
     """``adopt_store`` and its report (the log, and one line for the mount's stderr)."""
     queued, missing = adopt_store(journal)
-    log.warning("adopting the store %s (this staging directory belonged to %s): %d entries "
-                "with a local copy queued for it", claim.identity, claim.recorded, queued)
+    log.warning("adopting the store %s (this staging directory belonged to %s): %s with a "
+                "local copy queued for it", claim.identity, claim.recorded,
+                count(queued, "entry", "entries"))
     if missing:
         log.warning("%s without a local copy (evicted: only %s has them) will not be in %s: "
                     "%s", count(len(missing), "file"), claim.recorded, claim.identity,
@@ -362,7 +363,7 @@ async def serve(
             if left:
                 files, size = uploader.pending()
                 raise UserError(
-                    f"{staging.root} has work not uploaded yet ({files} files, "
+                    f"{staging.root} has work not uploaded yet ({count(files, 'file')}, "
                     f"{size / MiB:.1f} MiB): a read-only mount uploads nothing; mount it "
                     "read-write first (or use another staging directory)")
         else:
@@ -569,8 +570,9 @@ def _report_stop(root: Path, uploader: Uploader, coordinator: Coordinator) -> No
         log.warning("could not count the files left to upload: %s", exc)
         return
     if files:
-        log.warning("%d files (%.1f MiB) not uploaded; they stay in %s and go up at the next "
-                    "mount", files, size / MiB, root)
+        log.warning("%s (%.1f MiB) not uploaded; %s in %s and %s up at the next mount",
+                    count(files, "file"), size / MiB, plural(files, "it stays", "they stay"),
+                    root, plural(files, "goes", "go"))
     try:
         write_stop_report(root, {"pid": os.getpid(), "node": coordinator.node, "files": files,
                                  "bytes": size, "registered": coordinator.registered})

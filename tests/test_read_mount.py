@@ -281,7 +281,7 @@ def test_glacier_object_needs_restore(mounter: Mounter, bucket: Bucket, tmp_path
     assert f"run `ckptfs restore {path}`" in daemon_log(b)
 
     done = ckptfs("restore", b.path / "step_1", "--poll-interval", "0.2", "--timeout", "60")
-    assert "restored 1 files" in done.stdout
+    assert "restored 1 file" in done.stdout
     assert path.read_bytes() == data
     head = bucket.client.head_object(Bucket=bucket.name, Key=key)
     assert head.get("StorageClass", "STANDARD") == "STANDARD"  # kept in the warm tier
