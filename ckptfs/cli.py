@@ -7,8 +7,12 @@ Invariants:
   daemon's one-line error): the daemon reports through a pipe (``--ready-fd``).
 - ``mount`` and ``config check`` take the same flags and build the configuration the same way
   (``_configure``): what ``config check`` prints is what ``mount`` would use.
-- Every log record is one line (text) or one JSON object per line, with every credential of
-  the configuration and the AWS environment replaced by ``***``, whatever the destination.
+- Every log record is one line (text) or one JSON object per line. ckptfs never formats a
+  credential into a message (configuration values are ``SecretStr``; endpoints are shown
+  without ``user:password@``); the records of the AWS SDK, which may dump request headers
+  and parameters, have every credential of the configuration and the AWS environment
+  replaced by ``***``. Other lines are left as they are: a file named ``latest`` stays
+  ``latest`` when a secret key is ``test``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,19 @@ from ckptfs.config import MAX_DURATION_S, Config, config_path, load_config, stor
 from ckptfs.errors import UserError
 from ckptfs.humanize import console, count, human_bytes, plural
 from ckptfs.mountinfo import FSTYPE, check_mountpoint, check_staging_place, find
+
+
+def _usage_name(self: Any) -> str:
+    """An argument as usage lines write it: ``MOUNTPOINT`` if required, ``[PATH]`` if not
+    (typer writes ``{MOUNTPOINT}``, which reads as a placeholder left unfilled)."""
+    name = str(self.display_name_raw)
+    if not self.required:
+        name = f"[{name}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
+if hasattr(typer.core.TyperArgument, "_usage_display_name"):
+    typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="ckptfs",
@@ -80,21 +97,28 @@ BATCH_PROGRESS_EVERY = 15.0
 EXIT_LEFT_BEHIND = 3  # umount --strict: files were left not uploaded
 
 
+# Loggers of the AWS SDK: their records may carry request headers and parameters.
+SDK_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3")
+
+
 class _OneLineRedacting(logging.Formatter):
-    """One line per event (tracebacks folded), credentials replaced by ``***``."""
+    """One line per event (tracebacks folded); in records of the AWS SDK (``SDK_LOGGERS``),
+    credentials replaced by ``***``."""
 
     def __init__(self, fmt: str, secrets: list[str]) -> None:
         super().__init__(fmt)
         # Longest first: a secret that contains another is replaced whole.
-        self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
 
-    def redact(self, text: str) -> str:
+    def redact(self, text: str, record: logging.LogRecord) -> str:
+        if not record.name.startswith(SDK_LOGGERS):
+            return text
         for secret in self.secrets:
             text = text.replace(secret, "***")
         return text
 
     def format(self, record: logging.LogRecord) -> str:
-        return self.redact(super().format(record)).replace("\n", " | ")
+        return self.redact(super().format(record), record).replace("\n", " | ")
 
 
 class _JsonRedacting(_OneLineRedacting):
@@ -112,10 +136,10 @@ class _JsonRedacting(_OneLineRedacting):
             "time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
-            "message": self.redact(record.getMessage()),
+            "message": self.redact(record.getMessage(), record),
         }
         if record.exc_info:
-            event["exception"] = self.redact(self.formatException(record.exc_info))
+            event["exception"] = self.redact(self.formatException(record.exc_info), record)
         return json.dumps(event, ensure_ascii=False)
 
 
@@ -172,7 +196,7 @@ def _setup_logging(config: Config) -> None:
     handler.setFormatter(formatter)
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     # The AWS SDK's debug output is request dumps, not events: keep it at info and above.
-    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+    for noisy in SDK_LOGGERS:
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
 
 
@@ -276,7 +300,8 @@ def _flags(
 
 @app.command()
 def mount(
-    mountpoint: Annotated[Path, typer.Argument(help="Where to mount, e.g. /ckpt.")],
+    mountpoint: Annotated[Path, typer.Argument(
+        metavar="MOUNTPOINT", help="Where to mount, e.g. /ckpt.")],
     config_file: ConfigOpt = None,
     staging: StagingOpt = None,
     store: StoreOpt = None,
@@ -552,7 +577,8 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 
 @app.command()
 def umount(
-    mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mountpoint.")],
+    mountpoint: Annotated[Path, typer.Argument(
+        metavar="MOUNTPOINT", help="A ckptfs mountpoint.")],
     wait: Annotated[bool, typer.Option(
         "--wait/--no-wait",
         help="Wait for pending uploads first (--no-wait leaves them for the next mount).",
@@ -639,7 +665,8 @@ def _stop_report(staging: Path, pid: int) -> dict[str, Any] | None:
 
 @app.command()
 def sync(
-    path: Annotated[Path, typer.Argument(help="A ckptfs mount, or a path in one.")] = Path("."),
+    path: Annotated[Path, typer.Argument(
+        metavar="PATH", help="A ckptfs mount, or a path in one.")] = Path("."),
     timeout: Annotated[float | None, typer.Option(
         help="Give up after this many seconds (exit code 1).", show_default=False,
         callback=_seconds)] = None,
@@ -713,6 +740,7 @@ def byte_columns() -> tuple[Any, ...]:
 @app.command()
 def evict(
     path: Annotated[Path | None, typer.Argument(
+        metavar="PATH",
         help="A file or directory on a ckptfs mount; with --staging, a path relative to the "
         "mount root (default: everything).", show_default=False)] = None,
     staging: Annotated[Path | None, typer.Option(
@@ -771,7 +799,8 @@ def _evict_offline(staging: Path, prefix: Path | None, dry_run: bool) -> None:
 
 @app.command()
 def restore(
-    path: Annotated[Path, typer.Argument(help="A file or directory on a ckptfs mount.")],
+    path: Annotated[Path, typer.Argument(
+        metavar="PATH", help="A file or directory on a ckptfs mount.")],
     days: Annotated[int, typer.Option(min=1, help="How long the store keeps the temporary "
                                       "restored copy (it is also copied to the warm tier), "
                                       "and retention keeps the checkpoint there (a pin, "
@@ -832,6 +861,7 @@ def _progress(*columns: Any) -> Any:
 @app.command()
 def status(
     mountpoint: Annotated[Path | None, typer.Argument(
+        metavar="MOUNTPOINT",
         help="A ckptfs mount (default: every ckptfs mount).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
@@ -983,7 +1013,8 @@ def _duration(seconds: float) -> str:
 
 @app.command()
 def nodes(
-    mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mount.")] = Path("."),
+    mountpoint: Annotated[Path, typer.Argument(
+        metavar="MOUNTPOINT", help="A ckptfs mount.")] = Path("."),
     forget: Annotated[str | None, typer.Option(
         help="Remove this dead node's registration: markers stop waiting for its uploads. "
         "Also ends the hold of a node back from a power loss (its own id on that node).",
@@ -1049,6 +1080,7 @@ def _held_text(mountpoint: str, node: dict[str, Any]) -> str:
 @app.command("ls-tiers")
 def ls_tiers(
     mountpoint: Annotated[Path | None, typer.Argument(
+        metavar="MOUNTPOINT",
         help="A ckptfs mount (default: the configured staging directory's daemon, or none).",
         show_default=False)] = None,
     config_file: ConfigOpt = None,
@@ -1063,6 +1095,7 @@ def ls_tiers(
 @app.command()
 def retention(
     mountpoint: Annotated[Path | None, typer.Argument(
+        metavar="MOUNTPOINT",
         help="A ckptfs mount (default: the configured staging directory's daemon, or none).",
         show_default=False)] = None,
     config_file: ConfigOpt = None,
@@ -1128,13 +1161,25 @@ def main() -> None:
     except _click_exc.NoArgsIsHelpError as exc:
         print(exc.format_message(), file=sys.stderr)
         sys.exit(exc.exit_code)
+    except _click_exc.NoSuchOption as exc:
+        if exc.option_name not in ("--version", "-V"):
+            _fail(_usage_text(exc), exc.exit_code)
+        # click would suggest the closest option of the command (--s3-region for mount).
+        command = exc.ctx.command_path if exc.ctx is not None else "this command"
+        _fail(f"{exc.option_name} is not an option of '{command}': the version is "
+              "'ckptfs --version'", exc.exit_code)
     except _click_exc.UsageError as exc:
-        hint = ""
-        if exc.ctx is not None:
-            hint = f" (see '{exc.ctx.command_path} --help')"
-        _fail(exc.format_message() + hint, exc.exit_code)
+        _fail(_usage_text(exc), exc.exit_code)
     except _click_exc.ClickException as exc:
         _fail(exc.format_message(), exc.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_text(exc: Any) -> str:
+    """A usage error as one line, with where to read more."""
+    hint = ""
+    if exc.ctx is not None:
+        hint = f" (see '{exc.ctx.command_path} --help')"
+    return str(exc.format_message()) + hint

@@ -263,8 +263,10 @@ class ControlServer:
 
         try:
             row = await self.fs.resolve(path)
+            coordinator = self.uploader.coordinator
             await restore(self.fs, row, days=days, local=local, report=report,
-                          poll_interval=poll_interval)
+                          poll_interval=poll_interval,
+                          node=coordinator.node if coordinator is not None else None)
         except CkptfsError as exc:
             await _send(stream, {"error": f"{path or '/'}: {exc}"})
             return

@@ -283,22 +283,27 @@ def test_credentials_never_in_logs_status_or_command_line(
         assert secret not in cmdline
 
 
-def test_log_lines_are_redacted_and_one_line() -> None:
+def test_log_lines_are_one_line_and_only_credentials_are_masked() -> None:
+    """The AWS SDK's records (which may dump headers) are masked; ckptfs's own lines are
+    left alone: with the secret key ``test`` a file named ``latest`` stays ``latest``."""
     import logging
+    import sys
 
     from ckptfs.cli import _OneLineRedacting
 
-    formatter = _OneLineRedacting("%(levelname)s %(message)s", [SECRET_KEY, "abc"])
+    formatter = _OneLineRedacting("%(levelname)s %(message)s", [SECRET_KEY, "test"])
     try:
         raise ValueError(f"bad key {SECRET_KEY}")
     except ValueError:
-        import sys
-
-        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed with %s",
-                                   (SECRET_KEY,), sys.exc_info())
+        record = logging.LogRecord("botocore.endpoint", logging.ERROR, __file__, 1,
+                                   "sending %s", ({"X-Amz-Security-Token": SECRET_KEY},),
+                                   sys.exc_info())
     line = formatter.format(record)
     assert SECRET_KEY not in line and "***" in line
     assert "\n" not in line and "ValueError" in line
+    ours = logging.LogRecord("ckptfs.upload", logging.INFO, __file__, 1,
+                             "uploaded %s\nand test/x", ("latest",), None)
+    assert formatter.format(ours) == "INFO uploaded latest | and test/x"
 
 
 def test_staging_directory_0711_and_journal_0600(tmp_path: Path, mounter: Mounter) -> None:

@@ -11,6 +11,7 @@ tests/test_read_path.py checks the same rules without a mount (memory tier, virt
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -285,6 +286,10 @@ def test_glacier_object_needs_restore(mounter: Mounter, bucket: Bucket, tmp_path
     assert path.read_bytes() == data
     head = bucket.client.head_object(Bucket=bucket.name, Key=key)
     assert head.get("StorageClass", "STANDARD") == "STANDARD"  # kept in the warm tier
+    # The pin keeping it there names the node that restored it.
+    pin = bucket.client.get_object(Bucket=bucket.name, Key=PREFIX + ".ckptfs/pins/step_1")
+    node = json.loads(ckptfs("status", "--json", b.path).stdout)["node"]["node"]
+    assert json.loads(pin["Body"].read())["by"] == node
     again = ckptfs("restore", path, "--poll-interval", "0.2")
     assert "nothing to restore" in again.stdout
 
