@@ -335,7 +335,7 @@ class Config(_Strict):
     # Prometheus endpoint (metrics.py): off unless a port is given.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
     # Loopback by default: the endpoint has no authentication, and a scrape costs the daemon
-    # CPU (issue 19); "0.0.0.0" exposes it to every host that can reach the node.
+    # CPU; "0.0.0.0" exposes it to every host that can reach the node.
     metrics_address: str = "127.0.0.1"
     tier: tuple[TierConfig, ...] = Field(default_factory=_default_tiers)
 

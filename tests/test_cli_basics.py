@@ -1,4 +1,4 @@
-"""The everyday CLI contract (issue 20, items 12 and 14): --version/-h, case-insensitive log
+"""The everyday CLI contract: --version/-h, case-insensitive log
 levels, exit codes of status, and paths that do not exist."""
 
 from __future__ import annotations

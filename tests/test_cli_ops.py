@@ -1,4 +1,4 @@
-"""Operator experience of the CLI (issue 20, items 13 and 14): ``ckptfs config check``, "did
+"""Operator experience of the CLI: ``ckptfs config check``, "did
 you mean" for unknown keys, the S3 flags of ``mount``, the log file (rotation, JSON lines,
 redaction, mode 0600), and registration tokens that ``nodes``/``status`` never show.
 

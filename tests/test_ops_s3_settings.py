@@ -1,4 +1,4 @@
-"""S3 connection settings of a tier (issue 20, item 13): ``profile`` and ``addressing_style``
+"""S3 connection settings of a tier: ``profile`` and ``addressing_style``
 used against a real S3 server (SeaweedFS, tests/seaweed.py), and errors (of a call, of the
 check at mount, of the mount command) that keep the S3 error code and name the endpoint and
 where the credentials came from.
