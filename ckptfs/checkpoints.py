@@ -314,8 +314,10 @@ def _checkpoint(name: str, step: int | None, acc: _Acc, tier_order: Sequence[str
     for tier in tier_order:
         if tier == HOT:
             local = [f for f in acc.local if f.local]
-            # Held on NVMe: every file of the checkpoint (others' shards too) is local here.
-            if local and len(local) == len(acc.local) and busy is None \
+            # Held on NVMe: every file of the checkpoint (others' shards too) is local here,
+            # committed or not (a checkpoint without a marker is held as much as any other:
+            # whether it is complete is another question, ``busy``).
+            if local and len(local) == len(acc.local) and busy in (None, "no marker") \
                     and {f.key for f in local} >= files.keys():
                 held.add(tier)
             elif local:

@@ -7,8 +7,12 @@ Invariants:
   daemon's one-line error): the daemon reports through a pipe (``--ready-fd``).
 - ``mount`` and ``config check`` take the same flags and build the configuration the same way
   (``_configure``): what ``config check`` prints is what ``mount`` would use.
-- Every log record is one line (text) or one JSON object per line, with every credential of
-  the configuration and the AWS environment replaced by ``***``, whatever the destination.
+- Every log record is one line (text) or one JSON object per line. ckptfs never formats a
+  credential into a message (configuration values are ``SecretStr``; endpoints are shown
+  without ``user:password@``); the records of the AWS SDK, which may dump request headers
+  and parameters, have every credential of the configuration and the AWS environment
+  replaced by ``***``. Other lines are left as they are: a file named ``latest`` stays
+  ``latest`` when a secret key is ``test``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,21 @@ except ImportError:  # pragma: no cover
 from ckptfs import client
 from ckptfs.config import MAX_DURATION_S, Config, config_path, load_config, store_url
 from ckptfs.errors import UserError
-from ckptfs.mountinfo import FSTYPE, check_mountpoint, find
+from ckptfs.humanize import console, count, human_bytes, plural
+from ckptfs.mountinfo import FSTYPE, check_mountpoint, check_staging_place, find
+
+
+def _usage_name(self: Any) -> str:
+    """An argument as usage lines write it: ``MOUNTPOINT`` if required, ``[PATH]`` if not
+    (typer writes ``{MOUNTPOINT}``, which reads as a placeholder left unfilled)."""
+    name = str(self.display_name_raw)
+    if not self.required:
+        name = f"[{name}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
+if hasattr(typer.core.TyperArgument, "_usage_display_name"):
+    typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="ckptfs",
@@ -79,21 +97,28 @@ BATCH_PROGRESS_EVERY = 15.0
 EXIT_LEFT_BEHIND = 3  # umount --strict: files were left not uploaded
 
 
+# Loggers of the AWS SDK: their records may carry request headers and parameters.
+SDK_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3")
+
+
 class _OneLineRedacting(logging.Formatter):
-    """One line per event (tracebacks folded), credentials replaced by ``***``."""
+    """One line per event (tracebacks folded); in records of the AWS SDK (``SDK_LOGGERS``),
+    credentials replaced by ``***``."""
 
     def __init__(self, fmt: str, secrets: list[str]) -> None:
         super().__init__(fmt)
         # Longest first: a secret that contains another is replaced whole.
-        self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
 
-    def redact(self, text: str) -> str:
+    def redact(self, text: str, record: logging.LogRecord) -> str:
+        if not record.name.startswith(SDK_LOGGERS):
+            return text
         for secret in self.secrets:
             text = text.replace(secret, "***")
         return text
 
     def format(self, record: logging.LogRecord) -> str:
-        return self.redact(super().format(record)).replace("\n", " | ")
+        return self.redact(super().format(record), record).replace("\n", " | ")
 
 
 class _JsonRedacting(_OneLineRedacting):
@@ -111,10 +136,10 @@ class _JsonRedacting(_OneLineRedacting):
             "time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
-            "message": self.redact(record.getMessage()),
+            "message": self.redact(record.getMessage(), record),
         }
         if record.exc_info:
-            event["exception"] = self.redact(self.formatException(record.exc_info))
+            event["exception"] = self.redact(self.formatException(record.exc_info), record)
         return json.dumps(event, ensure_ascii=False)
 
 
@@ -171,7 +196,7 @@ def _setup_logging(config: Config) -> None:
     handler.setFormatter(formatter)
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     # The AWS SDK's debug output is request dumps, not events: keep it at info and above.
-    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+    for noisy in SDK_LOGGERS:
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
 
 
@@ -275,7 +300,8 @@ def _flags(
 
 @app.command()
 def mount(
-    mountpoint: Annotated[Path, typer.Argument(help="Where to mount, e.g. /ckpt.")],
+    mountpoint: Annotated[Path, typer.Argument(
+        metavar="MOUNTPOINT", help="Where to mount, e.g. /ckpt.")],
     config_file: ConfigOpt = None,
     staging: StagingOpt = None,
     store: StoreOpt = None,
@@ -312,9 +338,10 @@ def mount(
     if not foreground:
         # Fail fast on a bad mountpoint; the daemon checks again (and owns the staging checks).
         check_mountpoint(mountpoint)
+        check_staging_place(config.staging_dir, mountpoint)
         _check_log_file(config, mountpoint)
         warnings = _check_stores(config)
-        _spawn_daemon(mountpoint, config_file, overrides)
+        warnings += _spawn_daemon(mountpoint, config_file, overrides)
         # After the mount: a failed one prints its one error line and nothing else.
         for warning in warnings:
             print("ckptfs: warning: " + warning, file=sys.stderr)
@@ -370,8 +397,10 @@ def _check_stores(config: Config) -> list[str]:
     return check_stores(config)
 
 
-def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]) -> None:
-    """Start ``mount --foreground`` detached and relay its readiness or its one-line error."""
+def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]
+                  ) -> list[str]:
+    """Start ``mount --foreground`` detached and relay its readiness or its one-line error;
+    returns the warnings it reported before it was ready (one line each)."""
     from ckptfs.mounthelper import format_option
 
     args = [sys.executable, "-m", "ckptfs", "mount", os.path.abspath(mountpoint), "--foreground"]
@@ -403,9 +432,10 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
             env=env,
         )
     os.close(write_end)
-    message = _read_ready(read_end, proc)
+    warnings, message = _read_ready(read_end, proc)
     if message != "ok":
         raise UserError(message.removeprefix("error: "), exit_code=1)
+    return warnings
 
 
 def _ready_line(config: Config, mountpoint: Path) -> str:
@@ -422,7 +452,13 @@ def _ready_line(config: Config, mountpoint: Path) -> str:
     return f"ckptfs: {os.path.abspath(mountpoint)} ready{ro}: {', '.join(tiers)}"
 
 
-def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
+# The daemon's report through --ready-fd: zero or more "warning: ..." lines, then "ok" or
+# "error: ...", then the end of the pipe.
+WARNING_PREFIX = "warning: "
+
+
+def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> tuple[list[str], str]:
+    """The warnings the daemon reported and its last word ("ok" or "error: ...")."""
     chunks = []
     deadline = time.monotonic() + READY_TIMEOUT
     with os.fdopen(fd, "rb") as pipe:
@@ -431,14 +467,42 @@ def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
             if not chunk:
                 break
             chunks.append(chunk)
-    text = " ".join(b"".join(chunks).decode(errors="replace").split())
-    if text:
-        return text
+    lines = [line.strip() for line in b"".join(chunks).decode(errors="replace").splitlines()]
+    warnings = [line.removeprefix(WARNING_PREFIX) for line in lines
+                if line.startswith(WARNING_PREFIX)]
+    last = [line for line in lines if line and not line.startswith(WARNING_PREFIX)]
+    if last:
+        return warnings, last[-1]
     try:
         code = proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        return f"error: the ckptfs daemon (pid {proc.pid}) did not report the mount as ready"
-    return f"error: the ckptfs daemon exited (code {code}) before the mount was ready"
+        return warnings, (f"error: the ckptfs daemon (pid {proc.pid}) did not report the "
+                          "mount as ready")
+    return warnings, f"error: the ckptfs daemon exited (code {code}) before the mount was ready"
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc`` (a trio nursery wraps what its tasks raised in groups)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _mount_failure(exc: BaseException) -> UserError | None:
+    """Why a mount failed, as the one line a user reads: the user error inside ``exc`` if
+    there is one, else the first real exception (a bug: the traceback goes to the log).
+    None for a plain stop (a signal, a cancellation)."""
+    import trio
+
+    leaves = [leaf for leaf in _leaves(exc)
+              if not isinstance(leaf, (trio.Cancelled, KeyboardInterrupt, SystemExit))]
+    for leaf in leaves:
+        if isinstance(leaf, UserError):
+            return leaf
+    if not leaves:
+        return None
+    leaf = leaves[0]
+    return UserError(f"{type(leaf).__name__}: {leaf}" if str(leaf) else type(leaf).__name__)
 
 
 def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
@@ -446,17 +510,27 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
 
     from ckptfs.passthrough import use_patched_pyfuse3
 
+    def send(line: str) -> None:
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, " ".join(line.split()).encode() + b"\n")
+            except OSError:
+                pass  # the parent is gone; nobody is waiting for the answer
+
     def report(message: str) -> None:
         nonlocal ready_fd
         if ready_fd is not None:
-            fd, ready_fd = ready_fd, None
-            try:
-                os.write(fd, " ".join(message.split()).encode() + b"\n")
-            except OSError:
-                pass  # the parent is gone; nobody is waiting for the answer
-            finally:
-                os.close(fd)
+            send(message)
+            os.close(ready_fd)
+            ready_fd = None
 
+    def warn(message: str) -> None:
+        if ready_fd is not None:
+            send(WARNING_PREFIX + message)
+        else:  # in the foreground (systemd): where the log goes too
+            print("ckptfs: warning: " + message, file=sys.stderr, flush=True)
+
+    detached = ready_fd is not None
     try:
         _setup_logging(config)
     except UserError as exc:
@@ -467,42 +541,44 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
     # Before ckptfs.mount imports pyfuse3: the passthrough build unless passthrough = off.
     use_patched_pyfuse3(config.passthrough)
     from ckptfs import mount as mount_mod
-    from ckptfs.storecheck import store_identity
 
     try:
-        real_mountpoint, staging = mount_mod.prepare(config, mountpoint)
-        try:
-            staging.check_store_identity(store_identity(config), adopt=config.adopt_store)
-        except BaseException:
-            staging.close()
-            raise
+        real_mountpoint, staging, claim = mount_mod.prepare(config, mountpoint)
     except UserError as exc:
         if ready_fd is None:
             raise
         # The parent prints the one line; printing it here too would show it twice.
         report(f"error: {exc}")
         raise SystemExit(exc.exit_code) from None
-    if ready_fd is not None:
+    log_path = staging.root / mount_mod.LOG_NAME
+    if detached:
         # Detached: from here on, logs go to the staging directory.
-        log_fd = os.open(staging.root / mount_mod.LOG_NAME,
-                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
     try:
-        trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"))
+        trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"),
+                 claim, warn)
     except BaseException as exc:
-        if ready_fd is not None:
-            what = str(exc) or type(exc).__name__
-            if not isinstance(exc, UserError):
-                what += f" (details in {staging.root / mount_mod.LOG_NAME})"
-            report(f"error: {what}")
-        raise
+        failure = _mount_failure(exc)
+        if failure is None:
+            raise
+        bug = not any(isinstance(leaf, UserError) for leaf in _leaves(exc))
+        logging.getLogger("ckptfs.mount").error(
+            "mount of %s failed: %s", real_mountpoint, failure, exc_info=exc if bug else None)
+        where = config.log_file or (log_path if detached else "the daemon's log (stderr)")
+        text = str(failure) + (f" (details in {where})" if bug else "")
+        if detached:
+            report(f"error: {text}")
+            raise SystemExit(failure.exit_code if not bug else 1) from None
+        raise UserError(text, exit_code=failure.exit_code) from None
 
 
 @app.command()
 def umount(
-    mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mountpoint.")],
+    mountpoint: Annotated[Path, typer.Argument(
+        metavar="MOUNTPOINT", help="A ckptfs mountpoint.")],
     wait: Annotated[bool, typer.Option(
         "--wait/--no-wait",
         help="Wait for pending uploads first (--no-wait leaves them for the next mount).",
@@ -526,11 +602,19 @@ def umount(
     if entry.fstype != FSTYPE:
         raise UserError(f"{mountpoint} is not a ckptfs mount (it is {entry.fstype})")
     info = client.daemon_info(Path(entry.mountpoint))
-    if wait and info is not None and not _sync_with_progress(
-            entry.mountpoint, "", timeout, "uploading before unmount"):
-        raise UserError(
-            f"uploads to the store did not finish within {timeout:.0f}s; not unmounted "
-            "(see 'ckptfs status', or use --no-wait)", exit_code=1)
+    try:
+        if wait and info is not None and not _sync_with_progress(
+                entry.mountpoint, "", timeout, "uploading before unmount"):
+            raise UserError(
+                f"uploads to the store did not finish within {timeout:.0f}s; not unmounted "
+                "(see 'ckptfs status', or use --no-wait)", exit_code=1)
+    except UserError as exc:
+        if exc.exit_code != 130:
+            raise
+        raise UserError(f"interrupted: {entry.mountpoint} is still mounted and its daemon "
+                        f"goes on uploading (watch it with 'ckptfs status "
+                        f"{entry.mountpoint}'; 'ckptfs umount {entry.mountpoint}' again to "
+                        "wait and unmount, --no-wait to unmount now)", exit_code=130) from None
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [entry.mountpoint]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -561,8 +645,9 @@ def umount(
         return
     files, size = int(report.get("files") or 0), int(report.get("bytes") or 0)
     if files:
-        print(f"ckptfs: {files} files ({size / 2**20:.1f} MiB) not uploaded; they stay in "
-              f"{staging} and go up at the next mount", file=sys.stderr)
+        print(f"ckptfs: {count(files, 'file')} ({_human(size)}) not uploaded; "
+              f"{plural(files, 'it stays', 'they stay')} in {staging} and "
+              f"{plural(files, 'goes', 'go')} up at the next mount", file=sys.stderr)
     if report.get("registered"):
         print(f"ckptfs: node {report.get('node')} stays registered: the commit markers of "
               "the other nodes mounting this store wait for it until it is mounted again "
@@ -580,7 +665,8 @@ def _stop_report(staging: Path, pid: int) -> dict[str, Any] | None:
 
 @app.command()
 def sync(
-    path: Annotated[Path, typer.Argument(help="A ckptfs mount, or a path in one.")] = Path("."),
+    path: Annotated[Path, typer.Argument(
+        metavar="PATH", help="A ckptfs mount, or a path in one.")] = Path("."),
     timeout: Annotated[float | None, typer.Option(
         help="Give up after this many seconds (exit code 1).", show_default=False,
         callback=_seconds)] = None,
@@ -593,45 +679,68 @@ def sync(
 
 
 def _sync_with_progress(mountpoint: str, rel: str, timeout: float | None, what: str) -> bool:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    """``client.sync`` with a progress bar on a terminal, a line every
+    ``BATCH_PROGRESS_EVERY`` seconds elsewhere. Ctrl-C: one line saying the uploads go on
+    (exit code 130)."""
+    from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    columns = (TextColumn(f"[bold]{what}"), BarColumn(), *byte_columns(),
+               TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
     started = time.monotonic()
     last_line = started
-    with _progress(*columns) as bar:
-        task = bar.add_task(what, total=None, note="")
+    try:
+        with _progress(*columns) as bar:
+            task = bar.add_task(what, total=None, note="")
 
-        def show(reply: dict[str, Any]) -> None:
-            nonlocal last_line
-            total = int(reply.get("total_bytes", 0))
-            done = total - int(reply["pending_bytes"])
-            errors = reply.get("errors") or []
-            waiting = reply.get("waiting") or []
-            note = (f"{reply['pending_files']} files left"
-                    + (f"; retrying: {errors[0]}" if errors else "")
-                    + (f"; {waiting[0]}" if waiting and not errors else ""))
-            bar.update(task, total=total or None, completed=done, note=note)
-            now = time.monotonic()
-            if bar.disable and now - last_line >= BATCH_PROGRESS_EVERY:
-                # No terminal (a batch job's log): a line now and then instead of a bar.
-                last_line = now
-                rate = done / max(now - started, 1e-9)
-                print(f"ckptfs: {what}: {_human(done)} of {_human(total)} "
-                      f"({_human(rate)}/s), {note}", file=sys.stderr, flush=True)
+            def show(reply: dict[str, Any]) -> None:
+                nonlocal last_line
+                total = int(reply.get("total_bytes", 0))
+                done = total - int(reply["pending_bytes"])
+                errors = reply.get("errors") or []
+                waiting = reply.get("waiting") or []
+                note = (f"{count(reply['pending_files'], 'file')} left"
+                        + (f"; retrying: {errors[0]}" if errors else "")
+                        + (f"; {waiting[0]}" if waiting and not errors else ""))
+                bar.update(task, total=total or None, completed=done, note=note)
+                now = time.monotonic()
+                if bar.disable and now - last_line >= BATCH_PROGRESS_EVERY:
+                    # No terminal (a batch job's log): a line now and then instead of a bar.
+                    last_line = now
+                    rate = done / max(now - started, 1e-9)
+                    print(f"ckptfs: {what}: {_human(done)} of {_human(total)} "
+                          f"({_human(rate)}/s), {note}", file=sys.stderr, flush=True)
 
-        return client.sync(mountpoint, rel, timeout, show)
+            return client.sync(mountpoint, rel, timeout, show)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: the daemon of {mountpoint} goes on uploading in the "
+                        f"background (watch it with 'ckptfs status {mountpoint}', or wait "
+                        f"again with 'ckptfs sync {mountpoint}')", exit_code=130) from None
+
+
+def byte_columns() -> tuple[Any, ...]:
+    """Progress columns of bytes done / total and the rate, in binary units (MiB) as
+    ``status`` counts, not rich's decimal MB."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Done(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            total = "?" if task.total is None else human_bytes(task.total)
+            return Text(f"{human_bytes(task.completed)}/{total}", style="progress.download")
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(speed)}/s",
+                        style="progress.data.speed")
+
+    return Done(), Rate()
 
 
 @app.command()
 def evict(
     path: Annotated[Path | None, typer.Argument(
+        metavar="PATH",
         help="A file or directory on a ckptfs mount; with --staging, a path relative to the "
         "mount root (default: everything).", show_default=False)] = None,
     staging: Annotated[Path | None, typer.Option(
@@ -654,9 +763,10 @@ def evict(
         raise UserError("--dry-run is for an offline eviction (--staging DIR)")
     entry, rel = client.locate(_existing(path))
     reply = client.evict(entry.mountpoint, rel)
-    print(f"evicted {reply['evicted_files']} files, freed {_human(reply['freed_bytes'])}")
+    print(f"evicted {count(reply['evicted_files'], 'file')}, freed "
+          f"{_human(reply['freed_bytes'])}")
     if reply.get("kept_count"):
-        print(f"kept {reply['kept_count']} files that are open or not committed yet:")
+        print(f"kept {count(reply['kept_count'], 'file')} that are open or not committed yet:")
         for line in reply.get("kept", []):
             print(f"  {line}")
 
@@ -667,27 +777,30 @@ def _evict_offline(staging: Path, prefix: Path | None, dry_run: bool) -> None:
 
     done = evict_offline(Path(os.path.abspath(staging.expanduser())),
                          str(prefix) if prefix is not None else "", dry_run)
-    mib = done.freed_bytes / (1024 * 1024)
     if dry_run:
-        print(f"would evict {done.evicted_files} files, freeing {mib:.1f} MiB (dry run: "
-              "nothing changed)")
+        print(f"would evict {count(done.evicted_files, 'file')}, freeing "
+              f"{_human(done.freed_bytes)} (dry run: nothing changed)")
     else:
-        print(f"evicted {done.evicted_files} files, freed {mib:.1f} MiB")
+        print(f"evicted {count(done.evicted_files, 'file')}, freed {_human(done.freed_bytes)}")
     if done.kept:
-        print(f"kept {len(done.kept)} files on the NVMe:")
+        print(f"kept {count(len(done.kept), 'file')} on the NVMe:")
         for line in done.kept[:20]:
             print(f"  {line}")
-    free = f"{done.free_bytes / (1024 * 1024):.1f} MiB free on the staging filesystem"
+    free = f"{_human(done.free_bytes)} free on the staging filesystem"
+    if dry_run:
+        free = (f"{_human(done.free_before)} free on the staging filesystem now, "
+                f"{_human(done.free_bytes)} after")
     if done.mountable:
         print(free)
     else:
-        print(f"{free}: still too full to mount (at least "
+        print(f"{free}: {'would be ' if dry_run else ''}still too full to mount (at least "
               f"{MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed)")
 
 
 @app.command()
 def restore(
-    path: Annotated[Path, typer.Argument(help="A file or directory on a ckptfs mount.")],
+    path: Annotated[Path, typer.Argument(
+        metavar="PATH", help="A file or directory on a ckptfs mount.")],
     days: Annotated[int, typer.Option(min=1, help="How long the store keeps the temporary "
                                       "restored copy (it is also copied to the warm tier), "
                                       "and retention keeps the checkpoint there (a pin, "
@@ -703,10 +816,10 @@ def restore(
 ) -> None:
     """Restore files held only in an archive storage class (GLACIER, DEEP_ARCHIVE): request the
     restore, wait with progress, then keep them in the warm tier."""
-    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     entry, rel = client.locate(path)
-    columns = (TextColumn("[bold]restoring"), BarColumn(), DownloadColumn(),
+    columns = (TextColumn("[bold]restoring"), BarColumn(), byte_columns()[0],
                TimeElapsedColumn(), TextColumn("{task.fields[note]}"))
     with _progress(*columns) as bar:
         task = bar.add_task("restore", total=None, note="")
@@ -715,7 +828,7 @@ def restore(
             waiting = reply.get("waiting") or []
             bar.update(task, total=reply["total_bytes"] or None,
                        completed=reply["restored_bytes"],
-                       note=f"{reply['restored_files']}/{reply['files']} files"
+                       note=f"{reply['restored_files']}/{count(reply['files'], 'file')}"
                        + (f"; waiting for {waiting[0]}" if waiting else ""))
 
         result = client.restore(entry.mountpoint, rel, days=days, local=local,
@@ -726,7 +839,7 @@ def restore(
     if not result.get("files"):
         print(f"{path}: nothing to restore (no file there is only in an archive class)")
     else:
-        print(f"restored {result['restored_files']} files "
+        print(f"restored {count(result['restored_files'], 'file')} "
               f"({_human(result['restored_bytes'])}) to the warm tier")
 
 
@@ -748,6 +861,7 @@ def _progress(*columns: Any) -> Any:
 @app.command()
 def status(
     mountpoint: Annotated[Path | None, typer.Argument(
+        metavar="MOUNTPOINT",
         help="A ckptfs mount (default: every ckptfs mount).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
@@ -767,78 +881,140 @@ def status(
             reports.append(client.status(target))
         except (UserError, OSError) as exc:
             if mountpoint is not None:
-                raise UserError(str(exc)) from None
+                raise UserError(str(exc), exit_code=1) from None
             reports.append({"mountpoint": target, "error": str(exc)})
-    silent = [r["mountpoint"] for r in reports if "error" in r]
+    silent = [r for r in reports if "error" in r]
     if as_json:
         print(json.dumps(reports if mountpoint is None else reports[0], indent=2))
         _no_answer(silent)
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    out = console()
     for r in reports:
         if "error" in r:
-            console.print(f"[red]ckptfs {r['mountpoint']}: {r['error']}")
+            out.print(f"[red]ckptfs {r['mountpoint']}: {r['error']}")
             continue
         table = Table(title=f"ckptfs {r['mountpoint']}", show_header=False, title_justify="left")
-        table.add_row("daemon", f"pid {r['pid']}, up {r['uptime_s']:.0f}s")
-        tiers = r.get("tiers") or [{"name": "warm", "url": r["warm_tier"]}]
-        table.add_row("tiers", "\n".join(f"{t['name']}: {t['url']}" for t in tiers))
-        staging = r["staging"]
-        table.add_row("staging", f"{r['staging_dir']}: {_human(staging.get('used_bytes', 0))} "
-                      f"held, {_human(staging['free_bytes'])} free of "
-                      f"{_human(staging['total_bytes'])}")
-        table.add_row("queue", f"{r['queue']['files']} files, {_human(r['queue']['bytes'])}")
-        table.add_row("uploaded", f"{r['uploaded']['files']} files, "
-                                  f"{_human(r['uploaded']['bytes'])}")
-        table.add_row("upload rate", f"{_human(r['upload_rate_bytes_per_s'])}/s"
-                      + (f", ETA {r['eta_s']:.0f}s" if r["eta_s"] else ""))
-        if "fetch" in r:
-            table.add_row("fetched", f"{_human(r['fetch']['bytes'])}, "
-                          f"{_human(r['fetch']['rate_bytes_per_s'])}/s")
-            table.add_row("writers stalled", f"{r['write_stall_s']:.1f}s")
-        pt = r.get("passthrough")
-        if pt:
-            table.add_row("passthrough", (
-                f"active: {pt['opens']['passthrough']} opens served by the kernel, "
-                f"{pt['opens']['daemon']} by the daemon") if pt["active"]
-                else f"off: {pt['reason']}")
-        loop = r.get("loop")
-        if loop:
-            table.add_row("daemon loop", (
-                f"longest stall {loop['recent_longest_stall_s'] * 1000:.0f} ms in the last "
-                f"5 min ({loop['longest_stall_s'] * 1000:.0f} ms since the mount, "
-                f"{loop['stalls']} over 100 ms); {loop['gc_full_collections']} full garbage "
-                f"collections, longest {loop['gc_longest_s'] * 1000:.0f} ms"))
-        outage = r.get("store_outage")
-        if outage:
-            table.add_row("store", f"down for {outage['down_for_s']:.0f}s "
-                          f"({outage['failures_in_a_row']} failures in a row); next probe in "
-                          f"{outage['next_probe_in_s']:.0f}s, the queue waits for it")
-        more = r.get("failed_count", len(r["failed"])) - len(r["failed"])
-        table.add_row("failing", "\n".join(f"{f['item']}: {f['error']}" for f in r["failed"])
-                      + (f"\n... and {more} more" if more > 0 else "") or "none")
-        table.add_row("incomplete", "\n".join(r["incomplete"]) or "none")
-        node = r.get("node")
-        if node:
-            table.add_row("node", node["node"] + ("" if node["registered"] else " (not registered)"))
-            if node["held_markers"]:
-                table.add_row("markers held", _held_text(r["mountpoint"], node))
-            hold = node.get("hold")
-            if hold:
-                held = ", ".join(hold.get("barriers") or []) or "none yet"
-                table.add_row("holding", f"{hold['reason']}\nbarriers held: {held}")
-            if node["error"]:
-                table.add_row("coordination", node["error"])
-        console.print(table)
+        for name, value in _status_rows(r):
+            table.add_row(name, value)
+        out.print(table)
     _no_answer(silent)
+
+
+def _status_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of ``status``'s table for one mount's report (``--json`` has it all)."""
+    rows = [("daemon", f"pid {r['pid']}, up {r['uptime_s']:.0f}s")]
+    tiers = r.get("tiers") or [{"name": "warm", "url": r["warm_tier"]}]
+    rows.append(("tiers", "\n".join(f"{t['name']}: {t['url']}" for t in tiers)))
+    staging = r["staging"]
+    rows.append(("staging", (f"{r['staging_dir']}: {_human(staging.get('used_bytes', 0))} "
+                 f"held, {_human(staging['free_bytes'])} free of "
+                 f"{_human(staging['total_bytes'])}")))
+    queue = r["queue"]
+    rows.append(("queue", f"{count(queue['files'], 'file')}, {_human(queue['bytes'])}"))
+    rows.append(("uploaded", (f"{count(r['uploaded']['files'], 'file')}, "
+                 f"{_human(r['uploaded']['bytes'])}")))
+    rate = f"{_human(r['upload_rate_bytes_per_s'])}/s"
+    unavailable = r.get("store_unavailable_since")
+    if unavailable is not None:
+        rate += f"; no ETA: the store is unavailable since {_clock(unavailable)}"
+    elif r.get("eta_s"):
+        rate += f", ETA {_duration(r['eta_s'])}"
+    rows.append(("upload rate", rate))
+    if "fetch" in r:
+        rows.append(("fetched", (f"{_human(r['fetch']['bytes'])}, "
+                     f"{_human(r['fetch']['rate_bytes_per_s'])}/s")))
+        stalled = f"{r['write_stall_s']:.1f}s"
+        wait = (r.get("node") or {}).get("registration_wait")
+        if wait:
+            stalled += (f"; now {_waiting(wait['requests'])} for this node's registration "
+                        f"in the store, since {_clock(wait['since'])} "
+                        f"({wait['waiting_s']:.0f}s; they fail with EIO after "
+                        f"{wait['limit_s']:.0f}s, register_timeout)"
+                        + (f": {wait['error']}" if wait.get("error") else ""))
+        rows.append(("writers stalled", stalled))
+    pt = r.get("passthrough")
+    if pt:
+        rows.append(("passthrough", (
+            f"active: {pt['opens']['passthrough']} opens served by the kernel, "
+            f"{pt['opens']['daemon']} by the daemon") if pt["active"]
+            else f"off: {pt['reason']}"))
+    loop = r.get("loop")
+    if loop:
+        rows.append(("daemon loop", (
+            f"longest stall {loop['recent_longest_stall_s'] * 1000:.0f} ms in the last "
+            f"5 min ({loop['longest_stall_s'] * 1000:.0f} ms since the mount, "
+            f"{loop['stalls']} over 100 ms); {loop['gc_full_collections']} full garbage "
+            f"collections, longest {loop['gc_longest_s'] * 1000:.0f} ms")))
+    outage = r.get("store_outage")
+    if outage:
+        rows.append(("store", (f"down for {outage['down_for_s']:.0f}s "
+                     f"({outage['failures_in_a_row']} failures in a row); next probe in "
+                     f"{outage['next_probe_in_s']:.0f}s, the queue waits for it")))
+    failed = r["failed"]
+    more = r.get("failed_count", len(failed)) - len(failed)
+    rows.append(("failing", "\n".join(_failing(f) for f in failed)
+                 + (f"\n... and {more} more" if more > 0 else "") or "none"))
+    writing = r.get("open_for_writing") or []
+    more = r.get("open_for_writing_count", len(writing)) - len(writing)
+    rows.append(("open for writing", "\n".join(writing)
+                 + (f"\n... and {more} more" if more > 0 else "") or "none"))
+    rows.append(("incomplete", "\n".join(r["incomplete"]) or "none"))
+    node = r.get("node")
+    if node:
+        rows.append(("node", node["node"] + ("" if node["registered"] else " (not registered)")))
+        if node["held_markers"]:
+            rows.append(("markers held", _held_text(r["mountpoint"], node)))
+        hold = node.get("hold")
+        if hold:
+            held = ", ".join(hold.get("barriers") or []) or "none yet"
+            rows.append(("holding", f"{hold['reason']}\nbarriers held: {held}"))
+        if node["error"]:
+            rows.append(("coordination", node["error"]))
+    return rows
+
+
+def _failing(item: dict[str, Any]) -> str:
+    """One failing item: what, the error, the attempts and when the next one comes."""
+    attempts = item.get("attempts")
+    retry = item.get("retry_in_s")
+    when = ("next try after the store answers a probe" if retry is None
+            else f"next try in {_duration(retry)}")
+    tried = "" if attempts is None else f"{count(attempts, 'attempt')}, "
+    return f"{item['item']}: {item['error']} ({tried}{when})"
+
+
+def _waiting(requests: dict[str, int]) -> str:
+    """``"1 mkdir waits"``, ``"3 requests (create, mkdir) wait"``."""
+    n = sum(requests.values())
+    if len(requests) == 1:
+        return f"{n} {next(iter(requests))} {plural(n, 'waits', 'wait')}"
+    return f"{n} requests ({', '.join(sorted(requests))}) wait"
+
+
+def _clock(when: float) -> str:
+    """A wall time as an operator reads it in a report: ``12:03:04`` (today) or the date."""
+    local = time.localtime(when)
+    if time.strftime("%Y-%m-%d", local) == time.strftime("%Y-%m-%d"):
+        return time.strftime("%H:%M:%S", local)
+    return time.strftime("%Y-%m-%d %H:%M:%S", local)
+
+
+def _duration(seconds: float) -> str:
+    """``"45s"``, ``"12m 5s"``, ``"3h 20m"``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
 
 
 @app.command()
 def nodes(
-    mountpoint: Annotated[Path, typer.Argument(help="A ckptfs mount.")] = Path("."),
+    mountpoint: Annotated[Path, typer.Argument(
+        metavar="MOUNTPOINT", help="A ckptfs mount.")] = Path("."),
     forget: Annotated[str | None, typer.Option(
         help="Remove this dead node's registration: markers stop waiting for its uploads. "
         "Also ends the hold of a node back from a power loss (its own id on that node).",
@@ -851,7 +1027,6 @@ def nodes(
     if as_json:
         print(json.dumps(reply, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("node", "host", "pid", "registered", "last seen", "not uploaded", "",
@@ -864,10 +1039,10 @@ def nodes(
         if n.get("hold"):
             note = (note + "; " if note else "") + "holding barriers (see its 'ckptfs status')"
         pending = "?" if n.get("pending_files") is None else \
-            f"{n['pending_files']} files, {_human(n.get('pending_bytes') or 0)}"
+            f"{count(n['pending_files'], 'file')}, {_human(n.get('pending_bytes') or 0)}"
         table.add_row(n["node"], str(n.get("host", "?")), str(n.get("pid", "?")), when,
                       _ago(n.get("seen_ago_s")), pending, note)
-    Console().print(table)
+    console().print(table)
     if reply.get("held_markers"):
         print(f"markers held on this node: {', '.join(reply['held_markers'])}")
 
@@ -894,7 +1069,8 @@ def _held_text(mountpoint: str, node: dict[str, Any]) -> str:
         files = info.get("pending_files")
         lines.append(f"  {name} (host {info.get('host', '?')}, last seen "
                      f"{_ago(info.get('seen_ago_s'))}"
-                     + ("" if files is None else f", {files} files not uploaded") + ")")
+                     + ("" if files is None else f", {count(files, 'file')} not uploaded")
+                     + ")")
     lines.append(f"a slow node needs nothing; one that is gone for good (check its host "
                  f"first) is dropped with 'ckptfs nodes {mountpoint} --forget ID': the "
                  "markers then go out without its files")
@@ -904,6 +1080,7 @@ def _held_text(mountpoint: str, node: dict[str, Any]) -> str:
 @app.command("ls-tiers")
 def ls_tiers(
     mountpoint: Annotated[Path | None, typer.Argument(
+        metavar="MOUNTPOINT",
         help="A ckptfs mount (default: the configured staging directory's daemon, or none).",
         show_default=False)] = None,
     config_file: ConfigOpt = None,
@@ -918,6 +1095,7 @@ def ls_tiers(
 @app.command()
 def retention(
     mountpoint: Annotated[Path | None, typer.Argument(
+        metavar="MOUNTPOINT",
         help="A ckptfs mount (default: the configured staging directory's daemon, or none).",
         show_default=False)] = None,
     config_file: ConfigOpt = None,
@@ -932,12 +1110,11 @@ def retention(
     retention_cli.run_retention(mountpoint, config_path(config_file), not plan_only, as_json)
 
 
-def _no_answer(mountpoints: list[str]) -> None:
-    """Exit non-zero, after the report, when a daemon did not answer (monitoring relies on it)."""
-    if mountpoints:
-        raise UserError(f"no answer from the ckptfs daemon of {', '.join(mountpoints)}: see "
-                        "its log (<staging_dir>/daemon.log, or journalctl under systemd)",
-                        exit_code=1)
+def _no_answer(silent: list[dict[str, Any]]) -> None:
+    """Exit non-zero, after the report, when a daemon did not answer (monitoring relies on
+    it), saying why for each."""
+    if silent:
+        raise UserError("; ".join(str(r["error"]) for r in silent), exit_code=1)
 
 
 def _existing(path: Path) -> Path:
@@ -948,12 +1125,7 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+_human = human_bytes
 
 
 def _alive(pid: int) -> bool:
@@ -989,13 +1161,25 @@ def main() -> None:
     except _click_exc.NoArgsIsHelpError as exc:
         print(exc.format_message(), file=sys.stderr)
         sys.exit(exc.exit_code)
+    except _click_exc.NoSuchOption as exc:
+        if exc.option_name not in ("--version", "-V"):
+            _fail(_usage_text(exc), exc.exit_code)
+        # click would suggest the closest option of the command (--s3-region for mount).
+        command = exc.ctx.command_path if exc.ctx is not None else "this command"
+        _fail(f"{exc.option_name} is not an option of '{command}': the version is "
+              "'ckptfs --version'", exc.exit_code)
     except _click_exc.UsageError as exc:
-        hint = ""
-        if exc.ctx is not None:
-            hint = f" (see '{exc.ctx.command_path} --help')"
-        _fail(exc.format_message() + hint, exc.exit_code)
+        _fail(_usage_text(exc), exc.exit_code)
     except _click_exc.ClickException as exc:
         _fail(exc.format_message(), exc.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_text(exc: Any) -> str:
+    """A usage error as one line, with where to read more."""
+    hint = ""
+    if exc.ctx is not None:
+        hint = f" (see '{exc.ctx.command_path} --help')"
+    return str(exc.format_message()) + hint

@@ -7,6 +7,7 @@ timeout; only ``sync`` waits without limit, and only when asked to.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -67,15 +68,53 @@ def locate(path: Path) -> tuple[MountEntry, str]:
 
 
 def control_socket(mountpoint: str | Path) -> Path:
+    """The control socket of the daemon serving ``mountpoint``; UserError (exit code 1) if
+    that daemon is gone (a stale mount) or does not answer."""
     info, error = _daemon_info(Path(mountpoint))
     if isinstance(error, PermissionError):
         # FUSE shuts out every user but the one that mounted unless it has allow_other.
         raise UserError(f"permission denied asking the ckptfs daemon of {mountpoint}: only "
                         "root and the user that mounted it can reach a mount made without "
                         "allow_other")
+    if error is not None and error.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+        raise UserError(stale_mount(mountpoint), exit_code=1)
     if not info or "control" not in info:
-        raise UserError(f"the ckptfs daemon of {mountpoint} does not answer")
+        raise UserError(f"the ckptfs daemon of {mountpoint} does not answer{_whose(mountpoint)}",
+                        exit_code=1)
     return Path(str(info["control"]))
+
+
+def stale_mount(mountpoint: str | Path) -> str:
+    """What to say of a mount whose daemon is gone (the kernel answers ENOTCONN)."""
+    return (f"{mountpoint} is a stale mount (its ckptfs daemon is gone): run "
+            f"'ckptfs umount {mountpoint}', then mount it again (the daemon's log is "
+            "daemon.log in its staging directory, or the journal under systemd)")
+
+
+def _whose(mountpoint: str | Path) -> str:
+    """`` (pid 123; its log: /nvme/ckptfs/daemon.log)`` for the daemon process serving
+    ``mountpoint``, found by its command line and its staging lock (/proc), or ``""``."""
+    target = os.path.abspath(mountpoint)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = [os.fsdecode(a) for a in f.read().split(b"\0")]
+            if not ("mount" in argv and "--foreground" in argv and target in argv):
+                continue
+            staging = None
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                link = os.readlink(fd.path)
+                if link.endswith("/lock"):
+                    staging = os.path.dirname(link)
+        except OSError:
+            continue
+        log = os.path.join(staging, "daemon.log") if staging else None
+        where = f"; its log: {log}" if log and os.path.exists(log) else \
+            "; its log: the journal, or its log_file"
+        return f" (pid {entry.name}{where})"
+    return ""
 
 
 def _replies(mountpoint: str | Path, payload: dict[str, Any], timeout: float | None = 30.0

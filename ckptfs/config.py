@@ -276,6 +276,10 @@ class Config(_Strict):
     # never waits for the store, but a killed node holds the others' markers even if it only
     # read (coordination.py).
     register_at_mount: bool = False
+    # How long a node's first change waits for its registration in the store (the store
+    # down or refusing) before it fails with EIO; status and metrics count the wait as a
+    # stall of the writers (coordination.py ``enlist``).
+    register_timeout: Duration = timedelta(minutes=5)
     node_idle_poll_interval: Duration = timedelta(seconds=10)
     staging_max_bytes: int | None = Field(default=None, ge=1)
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
@@ -325,12 +329,13 @@ class Config(_Strict):
     log_max_bytes: int = Field(default=64 * 1024**2, ge=1024**2)
     log_backups: int = Field(default=5, ge=1, le=100)
     # "json": one object per line (time, level, logger, message[, exception]) for collectors.
-    log_format: Literal["text", "json"] = "text"
+    log_format: Annotated[Literal["text", "json"],
+                          BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = "text"
     fuse_workers: int = Field(default=64, ge=1, le=1024)
     # Prometheus endpoint (metrics.py): off unless a port is given.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
     # Loopback by default: the endpoint has no authentication, and a scrape costs the daemon
-    # CPU (issue 19); "0.0.0.0" exposes it to every host that can reach the node.
+    # CPU; "0.0.0.0" exposes it to every host that can reach the node.
     metrics_address: str = "127.0.0.1"
     tier: tuple[TierConfig, ...] = Field(default_factory=_default_tiers)
 
@@ -442,7 +447,8 @@ def _format_validation_error(
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key" + did_you_mean(loc[-1] if loc else "", _known_keys(loc[:-1]))
-        elif err["type"] not in ("value_error", "assertion_error") and _is_scalar(err["input"]):
+        elif err["type"] not in ("value_error", "assertion_error") and _is_scalar(err["input"]) \
+                and not (loc and loc[-1] in SECRET_FIELDS):  # a credential is never echoed
             msg = f"{msg}, got {err['input']!r}"
         msg = " ".join(msg.split())  # one line, whatever pydantic says
         parts.append(f"{key}: {msg}" if key else msg)
@@ -603,6 +609,13 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         raise UserError(_format_validation_error(exc, source, flags)) from None
 
 
+SECRET_FIELDS = frozenset({"access_key_id", "secret_access_key"})
+# Keys of a tier that mean something only for a tier with a URL of that kind: ``config check``
+# leaves them out of the other tiers (the hot tier is the staging directory).
+_S3_ONLY = frozenset({"endpoint_url", "region", "profile", "addressing_style", "part_size",
+                      "part_concurrency", *SECRET_FIELDS})
+
+
 def to_toml(config: Config) -> str:
     """``config`` as a TOML file that loads back to it, every key shown; credentials as
     ``***`` (``ckptfs config check``). Keys with no value are comments: TOML has no null."""
@@ -617,7 +630,12 @@ def to_toml(config: Config) -> str:
         lines.append(f"# {key} = (not set)" if value is None else f"{key} = {_toml(value)}")
     for tier in config.tier:
         lines += ["", "[[tier]]"]
+        s3 = tier.url is not None and tier.url.startswith("s3://")
         for key, value in tier:
+            if key in _S3_ONLY and not s3:
+                continue  # a default of no meaning here (an S3 setting of the hot tier)
+            if key == "cost_per_tb_month" and tier.url is None and not value:
+                continue
             if isinstance(value, BaseModel):
                 # Only what differs from the defaults: keep = {} (nothing) is not keep = {}
                 # with every rule spelled out as off.

@@ -46,8 +46,8 @@ from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_INODE, State
 from ckptfs.loopwatch import LoopWatch
 from ckptfs.passthrough import PassthroughFiles
-from ckptfs.retention import Retention
-from ckptfs.upload import Uploader
+from ckptfs.retention import Retention, upload_progress
+from ckptfs.upload import Uploader, Work
 
 log = logging.getLogger(__name__)
 SOCKET_MODE = 0o666
@@ -263,8 +263,10 @@ class ControlServer:
 
         try:
             row = await self.fs.resolve(path)
+            coordinator = self.uploader.coordinator
             await restore(self.fs, row, days=days, local=local, report=report,
-                          poll_interval=poll_interval)
+                          poll_interval=poll_interval,
+                          node=coordinator.node if coordinator is not None else None)
         except CkptfsError as exc:
             await _send(stream, {"error": f"{path or '/'}: {exc}"})
             return
@@ -346,6 +348,10 @@ class ControlServer:
         st = self.fs.staging.statvfs()
         # During an outage every queued item may be failing: list the oldest, count them all.
         failed = sorted(self.uploader.failed(), key=lambda w: w.seq)
+        outage = self.uploader.outage()
+        # While the store fails, the rate of the last minute says nothing of when the queue
+        # will be done: no ETA (nor while items fail), but since when it is unavailable.
+        unavailable = self._unavailable_since(outage)
         return {
             "mountpoint": str(self.mountpoint),
             "staging_dir": str(self.fs.staging.root),
@@ -361,14 +367,16 @@ class ControlServer:
             "uploaded": {"files": stats.uploaded_files, "bytes": stats.uploaded_bytes,
                          "moved": stats.moved, "deleted": stats.deleted},
             "upload_rate_bytes_per_s": round(rate, 1),
-            "eta_s": round(pending_bytes / rate, 1) if rate > 0 else None,
+            "eta_s": round(pending_bytes / rate, 1) if rate > 0 and pending_bytes
+            and unavailable is None and not failed else None,
+            "store_unavailable_since": unavailable,
             "retries": stats.retries,
             "failures": stats.failures,
             "fetch": {"bytes": self.fetched_bytes(),
                       "failures": self.fetch_failures(),
                       "errors": self.read_errors(),
                       "rate_bytes_per_s": round(self.fetch_rate(), 1)},
-            "write_stall_s": round(self.fs.stall_seconds, 3),
+            "write_stall_s": round(self.stall_seconds(), 3),
             "passthrough": (self.passthrough.status() if self.passthrough is not None
                             else {"active": False, "reason": "not mounted yet"}),
             "tiers": self.tiers(),
@@ -379,10 +387,9 @@ class ControlServer:
                 "allow_other": self.config.allow_other, "suid": self.config.suid,
                 "metrics_port": self.config.metrics_port,
             },
-            "store_outage": self.uploader.outage(),
+            "store_outage": outage,
             "failed": [{"item": self._describe(w.key), "error": w.error,
-                        "attempts": w.attempts,
-                        "retry_in_s": round(max(0.0, w.not_before - trio.current_time()), 1)}
+                        "attempts": w.attempts, "retry_in_s": self._retry_in(w, outage)}
                        for w in failed[:FAILED_LISTED]],
             "failed_count": len(failed),
             "incomplete": incomplete,
@@ -394,6 +401,34 @@ class ControlServer:
                         "used_bytes": self.fs.space.used,
                         "max_bytes": self.fs.space.max_bytes},
         }
+
+    def _unavailable_since(self, outage: dict[str, float] | None) -> float | None:
+        """Since when (wall time) the store is unavailable: taken as down by the uploader
+        (``OUTAGE_AFTER`` failures in a row), or refusing this node's registration while a
+        request waits for it; None otherwise."""
+        if outage is not None:
+            return round(time.time() - outage["down_for_s"], 1)
+        coordinator = self.uploader.coordinator
+        wait = coordinator.registration_wait() if coordinator is not None else None
+        if wait is not None and wait.get("error"):
+            return round(float(wait["since"]), 1)
+        return None
+
+    def _retry_in(self, work: Work, outage: dict[str, float] | None) -> float | None:
+        """Seconds until ``work`` is tried again; None while the store is taken as down: the
+        queue then waits for one probe to succeed (upload.py ``OUTAGE_AFTER``), whatever
+        the item's own backoff says."""
+        if outage is not None:
+            return None
+        return round(max(0.0, work.not_before - trio.current_time()), 1)
+
+    def stall_seconds(self) -> float:
+        """Seconds writers waited since the mount, summed over the requests: for staging
+        space, and for this node's registration in the store (its first change waits for
+        it, up to ``register_timeout``)."""
+        coordinator = self.uploader.coordinator
+        return self.fs.stall_seconds + (
+            coordinator.registration_waited_s() if coordinator is not None else 0.0)
 
     def _describe(self, key: tuple[str, int]) -> str:
         """A work item as an operator reads it: the file's path, or what a deletion or a
@@ -458,7 +493,12 @@ class ControlServer:
                 done = not pending
             # Failures are retried ("errors"); a marker held for other nodes is a normal wait.
             errors = [w.error for w in outstanding if w.error]
-            await _send(stream, {"pending_files": pending, "pending_bytes": remaining,
+            # Bytes of the uploads in flight already sent: the progress moves within a file
+            # (as far as the tier reports it: a file tier per chunk, S3 per part).
+            sent = sum(done for key, done in upload_progress(self.uploader).items()
+                       if not path or key == path or key.startswith(path.rstrip("/") + "/"))
+            left = max(0, remaining - int(sent))
+            await _send(stream, {"pending_files": pending, "pending_bytes": left,
                                  "total_bytes": max(total, remaining), "errors": errors[:3],
                                  "waiting": self._held()[:3]})
             if done:

@@ -56,8 +56,9 @@ Interleavings (tests/test_multinode.py):
 - B killed after its close: its journal has the file; the restart registers at mount (before
   serving), uploads it and acks.
 - The store down during B's first change: the request waits for the registration with the
-  usual backoff for at most ``register_timeout`` (the mount's ``write_stall_timeout``), then
-  fails with EIO; nothing was changed, nothing can be missed.
+  usual backoff for at most ``register_timeout`` (the setting of that name), then fails with
+  EIO; nothing was changed, nothing can be missed. ``status``, the metrics and the log show
+  the wait meanwhile (``registration_wait``): the job is stalled, as by a wait for space.
 **Hold.** A node that restarts after an unclean stop AND a reboot (noderun.py: its page cache
 was lost, so files whose close(2) had returned may be gone, their journal rows rolled back or
 their data short) cannot know what it closed before a barrier: it acknowledges NO barrier of
@@ -229,6 +230,12 @@ class Coordinator:
         self.enlisted = False
         self._enlisting: trio.Event | None = None  # set when the running enlist ends
         self.register_timeout = register_timeout
+        # Requests waiting in ``enlist`` for the registration (a stall of the job, as a
+        # writer's wait for space is: status, metrics, the log): token -> (what, clock time
+        # it began, wall time it began); and the seconds the finished waits took in all.
+        self._register_waits: dict[int, tuple[str, float, float]] = {}
+        self._register_tokens = itertools.count()
+        self.register_waited = 0.0
         self._wall = wall
         self._tag: str | None = None  # our registration's tag, as we last wrote it
         self._enlist_error: Exception | None = None
@@ -346,12 +353,43 @@ class Coordinator:
                  "to upload here)", self.node)
         await self._request("delete", self.tier.delete, key)
 
-    async def enlist(self) -> None:
+    async def enlist(self, what: str = "a change") -> None:
         """Be registered before this node's first change returns (module docstring). Free
         once registered. While the store is down, retries with backoff for at most
         ``register_timeout``, then raises ``StoreUnavailable`` (the request fails with EIO,
         having changed nothing); ``DuplicateNode`` if another staging directory took the id.
-        Concurrent callers share one attempt."""
+        Concurrent callers share one attempt. ``what`` waits (a request: ``mkdir``): status
+        and the log say so while it waits (``registration_wait``)."""
+        if self.enlisted and self.registered:
+            return
+        token = next(self._register_tokens)
+        self._register_waits[token] = (what, self._clock(), self._wall())
+        try:
+            await self._enlist()
+        finally:
+            self.register_waited += self._clock() - self._register_waits.pop(token)[1]
+
+    def registration_wait(self) -> dict[str, Any] | None:
+        """The requests waiting for this node's registration now, by kind, since when (wall
+        time), the limit and why it is not done yet; None when none waits."""
+        if not self._register_waits:
+            return None
+        kinds: dict[str, int] = {}
+        for what, _, _ in self._register_waits.values():
+            kinds[what] = kinds.get(what, 0) + 1
+        since = min(wall for _, _, wall in self._register_waits.values())
+        return {"requests": kinds, "since": since,
+                "waiting_s": round(max(0.0, self._wall() - since), 1),
+                "limit_s": self.register_timeout, "error": self.error}
+
+    def registration_waited_s(self) -> float:
+        """Seconds requests waited for the registration since the mount (waits going on
+        included), summed over the requests: a stall of the job, like a wait for space."""
+        now = self._clock()
+        return self.register_waited + sum(now - began for _, began, _ in
+                                          self._register_waits.values())
+
+    async def _enlist(self) -> None:
         while not (self.enlisted and self.registered):
             running = self._enlisting
             if running is not None:
@@ -396,9 +434,22 @@ class Coordinator:
                         f"{self.register_timeout:.0f}s, so it may not change files: "
                         f"{exc}") from None
                 delay = min(BACKOFF_MAX, self.poll * 2 ** min(failures, 10), left)
-                log.warning("node %s could not register in %s (retry in %.0fs): %s",
-                            self.node, self.tier.url, delay, exc)
+                log.warning("node %s could not register in %s (retry in %.0fs; %s; they fail "
+                            "with EIO after register_timeout, %.0fs): %s", self.node,
+                            self.tier.url, delay, self._waiting_text(), self.register_timeout,
+                            exc)
                 await trio.sleep(delay)
+
+    def _waiting_text(self) -> str:
+        """``"2 requests (mkdir, create) wait for it since 12:00:01"``, for the log."""
+        wait = self.registration_wait()
+        if wait is None:
+            return "nothing waits for it"
+        n = sum(wait["requests"].values())
+        when = time.strftime("%H:%M:%S", time.localtime(wait["since"]))
+        kinds = ", ".join(sorted(wait["requests"]))
+        return (f"{n} {'request' if n == 1 else 'requests'} ({kinds}) "
+                f"{'waits' if n == 1 else 'wait'} for it since {when}")
 
     async def deregister(self) -> None:
         if self.hold is not None:
@@ -712,6 +763,8 @@ class Coordinator:
                 0.0, self._wall() - info["seen"])} if isinstance(info.get("seen"), (int, float))
                 else {})} for name, info in self.waited_info.items()},
             "error": self.error,
+            "registration_wait": self.registration_wait(),
+            "registration_waited_s": round(self.registration_waited_s(), 3),
             "hold": None if self.hold is None else {
                 **self.hold.as_dict(), "barriers": list(self.held_barriers)},
             "requests": dict(self.stats.requests),

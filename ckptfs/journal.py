@@ -547,6 +547,12 @@ class Journal:
             )
         ]
 
+    def linked_rows(self) -> list[Row]:
+        """Every inode in the tree but the root (files, directories, symlinks, special
+        files), in one scan: adopting another store re-queues them all (mount.py)."""
+        return [_row(r) for r in self._db.execute(
+            _SELECT + " WHERE parent IS NOT NULL AND ino != ?", (ROOT_INODE,))]
+
     def orphans(self) -> list[Row]:
         return [
             _row(r)

@@ -1,4 +1,4 @@
-"""How long the daemon's trio loop went without answering anything (issue 19: it never freezes).
+"""How long the daemon's trio loop went without answering anything (it must never freeze).
 
 Every FUSE request, upload step and control request of a mount runs on one trio thread, so
 anything that holds that thread (a long step, a blocking call, a full garbage collection)

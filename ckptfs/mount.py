@@ -9,6 +9,14 @@ in its registration.
 A mount is *ready* when the kernel has accepted it; ``serve`` calls ``on_ready`` at that point
 (the CLI uses it to let a background ``ckptfs mount`` return, systemd gets READY=1).
 
+The store a staging directory belongs to (``<staging>/store-id``) is checked before anything
+starts (``claim_store``: another store is refused unless adopted) and recorded only once the
+mount is ready: a mount that never succeeded (a typo in the bucket, no credentials, a closed
+port) leaves the record as it was, so the corrected command is not refused. Adopting another
+store (``adopt_store``) queues every file with a local copy for the new store at the start,
+once the store answered; files with no local copy (evicted: only the old store has them) are
+reported, in the log and on the mount's stderr.
+
 Registration is lazy (coordination.py): at mount only a node with work left in its journal
 (or a hold) registers; any other registers before its first request that changes the tree
 returns (``RegisteringOps``), so a node that only reads never holds another node's markers.
@@ -27,8 +35,10 @@ import os
 import resource
 import signal
 import socket
+import stat
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +52,14 @@ from ckptfs.coordination import Coordinator, DuplicateNode, node_id, node_token
 from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.fs import Filesystem, ReadSettings
 from ckptfs.fuse_ops import FuseOps
+from ckptfs.humanize import count, plural
 from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.mountinfo import check_mountpoint, find, mounts
+from ckptfs.mountinfo import check_mountpoint, check_staging_place, find, mounts
 from ckptfs.noderun import NodeRun, boot_id, write_stop_report
 from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
+from ckptfs.storecheck import store_identity
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier, TierError
 from ckptfs.upload import Uploader
@@ -86,63 +98,63 @@ class RegisteringOps(FuseOps):
         super().__init__(fs, **kwargs)
         self.coordinator = coordinator
 
-    async def _enlist(self) -> None:
+    async def _enlist(self, what: str) -> None:
         coordinator = self.coordinator
         if coordinator.enlisted and coordinator.registered:
             return
         try:
-            await coordinator.enlist()
+            await coordinator.enlist(what)
         except (StoreUnavailable, DuplicateNode) as exc:
             log.error("refusing a change: %s", exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     async def open(self, inode: int, flags: int, ctx: Any) -> Any:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            await self._enlist()
+            await self._enlist("open for writing")
         return await super().open(inode, flags, ctx)
 
     async def create(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("create")
         return await super().create(*args, **kwargs)
 
     async def setattr(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("setattr")
         return await super().setattr(*args, **kwargs)
 
     async def mknod(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("mknod")
         return await super().mknod(*args, **kwargs)
 
     async def mkdir(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("mkdir")
         return await super().mkdir(*args, **kwargs)
 
     async def unlink(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("unlink")
         await super().unlink(*args, **kwargs)
 
     async def rmdir(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("rmdir")
         await super().rmdir(*args, **kwargs)
 
     async def symlink(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("symlink")
         return await super().symlink(*args, **kwargs)
 
     async def rename(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("rename")
         await super().rename(*args, **kwargs)
 
     async def link(self, *args: Any, **kwargs: Any) -> Any:
-        await self._enlist()
+        await self._enlist("link")
         return await super().link(*args, **kwargs)
 
     async def setxattr(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("setxattr")
         await super().setxattr(*args, **kwargs)
 
     async def removexattr(self, *args: Any, **kwargs: Any) -> None:
-        await self._enlist()
+        await self._enlist("removexattr")
         await super().removexattr(*args, **kwargs)
 
 
@@ -158,12 +170,101 @@ def sd_notify(message: str) -> None:
         sock.sendall(message.encode())
 
 
-def prepare(config: Config, mountpoint: Path) -> tuple[Path, Staging]:
+@dataclass(frozen=True)
+class StoreClaim:
+    """The store a mount writes to (``identity``, storecheck.py) and the one its staging
+    directory recorded (``recorded``: None for a first mount)."""
+
+    identity: str
+    recorded: str | None
+
+    @property
+    def adopting(self) -> bool:
+        """The staging directory moves from the recorded store to this one."""
+        return self.recorded is not None and self.recorded != self.identity
+
+
+def claim_store(config: Config, staging: Staging) -> StoreClaim:
+    """The store this mount may use with ``staging``; UserError if the directory belongs to
+    another store and ``adopt_store`` is not set. Records nothing (``serve`` does, once the
+    mount is ready)."""
+    claim = StoreClaim(store_identity(config), staging.recorded_store())
+    if claim.adopting and not config.adopt_store:
+        raise UserError(
+            f"staging directory {staging.root} belongs to the store {claim.recorded}, not "
+            f"{claim.identity}: its files would go to (or vanish from) the wrong store; mount "
+            f"with that store, another staging directory, or --adopt-store to move it to "
+            f"{claim.identity}")
+    if claim.adopting and config.read_only:
+        raise UserError(f"a read-only mount cannot adopt a store (it uploads nothing): mount "
+                        f"{staging.root} read-write with --adopt-store first")
+    return claim
+
+
+def prepare(config: Config, mountpoint: Path) -> tuple[Path, Staging, StoreClaim]:
     """Every check that can fail because of user input, before anything is mounted."""
     mountpoint = check_mountpoint(mountpoint)
+    check_staging_place(config.staging_dir, mountpoint)
     staging = Staging(config.staging_dir)
     staging.prepare()
-    return mountpoint, staging
+    try:
+        claim = claim_store(config, staging)
+    except BaseException:
+        staging.close()
+        raise
+    return mountpoint, staging, claim
+
+
+def adopt_store(journal: Journal) -> tuple[int, list[str]]:
+    """Move the journal's files to a new store (``--adopt-store``): every entry with a local
+    copy becomes "to upload" (STAGED, no remote key), and the pending deletions and directory
+    sweeps, which name keys of the old store, are dropped. Returns how many entries were
+    queued again and the paths of the files left behind: those whose bytes are not on this
+    node (evicted, or a hard link to such a file), which only the old store has.
+
+    Runs before the filesystem core exists (it caches rows): the journal alone."""
+    rows = journal.linked_rows()
+    by_ino = {row.ino: row for row in rows}
+    queued = 0
+    missing: list[str] = []
+    with journal.transaction():
+        for tomb_id, _ in journal.tombstones():
+            journal.drop_tombstone(tomb_id)
+        for sweep_id in journal.sweeps():
+            journal.drop_sweep(sweep_id)
+        for row in rows:
+            head = row if row.link_of is None else by_ino.get(row.link_of)
+            if stat.S_ISREG(row.mode) and (head is None or State.REMOTE in (row.state,
+                                                                            head.state)):
+                path = journal.path_of(row.ino)
+                missing.append(os.fsdecode(path or b"?"))
+                continue
+            if row.state in (State.COMMITTED, State.UPLOADING):
+                row.state = State.STAGED
+            if row.state is State.STAGED and not row.incomplete:
+                queued += 1
+            # Keys of the old store: the new one has none of them.
+            row.remote_key = row.uploading_key = row.remote_etag = row.storage_class = None
+            row.tiers = ""
+            journal.update(row)
+    return queued, sorted(missing)
+
+
+def _adopted(claim: StoreClaim, staging: Staging, journal: Journal,
+             on_warning: Callable[[str], None]) -> None:
+    """``adopt_store`` and its report (the log, and one line for the mount's stderr)."""
+    queued, missing = adopt_store(journal)
+    log.warning("adopting the store %s (this staging directory belonged to %s): %s with a "
+                "local copy queued for it", claim.identity, claim.recorded,
+                count(queued, "entry", "entries"))
+    if missing:
+        log.warning("%s without a local copy (evicted: only %s has them) will not be in %s: "
+                    "%s", count(len(missing), "file"), claim.recorded, claim.identity,
+                    ", ".join(missing))
+        n = len(missing)
+        on_warning(f"{count(n, 'file')} of {staging.root} {plural(n, 'has', 'have')} no local "
+                   f"copy (evicted: only {claim.recorded} has {plural(n, 'it', 'them')}) and "
+                   f"will not be in {claim.identity}; the paths are in the log")
 
 
 def read_settings(config: Config) -> ReadSettings:
@@ -204,9 +305,14 @@ def raise_nofile_limit() -> int:
 
 
 async def serve(
-    config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[], None]
+    config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[], None],
+    claim: StoreClaim | None = None, on_warning: Callable[[str], None] = lambda _: None,
 ) -> None:
-    """Mount and serve until unmounted or signalled."""
+    """Mount and serve until unmounted or signalled. ``claim`` (``claim_store``): the store
+    is recorded in the staging directory once the mount is ready, and adopted at the start;
+    ``on_warning`` gets the lines the mount's command should print (adopting, above)."""
+    if claim is None:
+        claim = claim_store(config, staging)
     # FUSE handlers run on the trio thread and share the GIL with upload threads; a short
     # switch interval keeps a write() from queueing 5 ms behind a busy upload thread.
     sys.setswitchinterval(0.0005)
@@ -219,6 +325,13 @@ async def serve(
     _owner_only(staging.root, JOURNAL_NAME)
     run: NodeRun | None = None
     try:
+        if claim.adopting:
+            _adopted(claim, staging, journal, on_warning)
+
+        def ready() -> None:
+            if claim.recorded != claim.identity:
+                staging.record_store(claim.identity)
+            on_ready()
         fs = Filesystem(
             journal, staging, unlink_remote=config.unlink == "posix",
             fsync_remote=config.fsync == "remote",
@@ -245,14 +358,14 @@ async def serve(
             poll=config.node_poll_interval.total_seconds(),
             idle_poll=config.node_idle_poll_interval.total_seconds(),
             token=node_token(staging.root), run=run,
-            register_timeout=config.write_stall_timeout.total_seconds())
+            register_timeout=config.register_timeout.total_seconds())
         uploader.coordinator = coordinator
         left = uploader.work_left()
         if config.read_only:
             if left:
                 files, size = uploader.pending()
                 raise UserError(
-                    f"{staging.root} has work not uploaded yet ({files} files, "
+                    f"{staging.root} has work not uploaded yet ({count(files, 'file')}, "
                     f"{size / MiB:.1f} MiB): a read-only mount uploads nothing; mount it "
                     "read-write first (or use another staging directory)")
         else:
@@ -267,7 +380,7 @@ async def serve(
                 raise UserError(str(exc)) from None
         try:
             await _serve_registered(config, mountpoint, staging, journal, tier, fs, uploader,
-                                    coordinator, on_ready, passthrough)
+                                    coordinator, ready, passthrough)
         except BaseException:
             # Failed before or while serving: leave only if nothing at all is left to upload
             # (the in-flight items are gone from the queue by now: ask the journal too).
@@ -366,7 +479,7 @@ async def _serve_registered(
                 # passthrough or not: a round trip per write. The daemon clears set-id bits
                 # itself (fs.py _drop_set_id), as the capability requires.
                 init_args["handle_killpriv_v2"] = True
-            pyfuse3.init(ops, str(mountpoint), fuse_options(config), **init_args)
+            init_fuse(ops, mountpoint, fuse_options(config), **init_args)
             try:
                 log.info("mounted %s%s (staging %s, warm tier %s)", mountpoint,
                          " read-only" if config.read_only else "", staging.root,
@@ -389,6 +502,36 @@ async def _serve_registered(
         if retention is not None:
             with trio.CancelScope(shield=True):
                 await retention.aclose()
+
+
+def init_fuse(ops: FuseOps, mountpoint: Path, options: set[str], **init_args: Any) -> None:
+    """``pyfuse3.init``; if the kernel or libfuse refuses the mount, a UserError saying
+    what libfuse said, e.g. ``cannot mount /ckpt: failed to open /dev/fuse: Permission
+    denied`` (pyfuse3 itself says only "fuse_session_mount failed"). libfuse writes its reason
+    to stderr (fusermount3 too): stderr is caught around the call and passed on as it was."""
+    import tempfile
+
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as caught:
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        failed: RuntimeError | None = None
+        try:
+            pyfuse3.init(ops, str(mountpoint), options, **init_args)
+        except RuntimeError as exc:
+            failed = exc
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        said = caught.read().decode(errors="replace")
+    if said:
+        sys.stderr.write(said)  # where it would have gone: the log
+        sys.stderr.flush()
+    if failed is not None:
+        why = "; ".join(line.strip().removeprefix("fuse: ") for line in said.splitlines()
+                        if line.strip())
+        raise UserError(f"cannot mount {mountpoint}: {why or failed}") from None
 
 
 def backing_stack_depth(staging_root: Path) -> int:
@@ -432,8 +575,9 @@ def _report_stop(root: Path, uploader: Uploader, coordinator: Coordinator) -> No
         log.warning("could not count the files left to upload: %s", exc)
         return
     if files:
-        log.warning("%d files (%.1f MiB) not uploaded; they stay in %s and go up at the next "
-                    "mount", files, size / MiB, root)
+        log.warning("%s (%.1f MiB) not uploaded; %s in %s and %s up at the next mount",
+                    count(files, "file"), size / MiB, plural(files, "it stays", "they stay"),
+                    root, plural(files, "goes", "go"))
     try:
         write_stop_report(root, {"pid": os.getpid(), "node": coordinator.node, "files": files,
                                  "bytes": size, "registered": coordinator.registered})

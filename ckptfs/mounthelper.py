@@ -10,10 +10,15 @@ wrapper ``mount/mount.ckptfs`` (installed by ``mount/install.sh``), which runs `
   tier's S3 settings (``s3_endpoint=http://minio:9000``, ``s3_region``, ``s3_profile``,
   ``s3_addressing_style=path``). The generic
   options fstab and systemd use (``defaults``, ``auto``, ``noauto``, ``_netdev``,
-  ``nofail``, ``x-systemd.*``, ``noatime``, ...) are accepted and ignored. ``nosuid`` and
-  ``suid`` set the ``suid`` key, ``ro`` and ``rw`` (and mount(8)'s ``-r``/``-w``) the
-  ``read_only`` key (the last one given wins; ``defaults`` turns nothing on); ``nodev`` is
-  accepted (the mount always is); ``dev`` is refused.
+  ``nofail``, ``x-systemd.*``, ``noatime``, ...) are accepted and ignored. ``ro`` and ``rw``
+  (and mount(8)'s ``-r``/``-w``) set the ``read_only`` key (the last one given wins).
+  Set-id bits: ``ckptfs.suid`` turns the ``suid`` key on, ``nosuid`` (or ``ckptfs.nosuid``)
+  off. mount(8) never passes ``suid``, ``dev`` nor ``exec`` to a helper (they are its
+  defaults: it drops them, and reorders what it passes, VFS flags first), so in fstab only
+  ``ckptfs.suid`` can ask for set-id bits, and ``nosuid`` with ``ckptfs.suid`` is refused
+  (which came last cannot be known). ``ckptfs mount -o`` takes ``suid`` too (the last one
+  given wins there). ``nodev`` is accepted (the mount always is); ``dev``, if it arrives
+  (``ckptfs mount -o dev``), is refused.
 - ``ckptfs mount -o OPTIONS`` takes the same options (``parse_options``).
 
 The helper then execs ``ckptfs mount``, which returns once the mount is ready (or with the
@@ -50,7 +55,9 @@ REFUSED_OPTIONS = {
     "dev": "ckptfs always mounts nodev (device files are not supported)",
 }
 # Generic options that are configuration keys (``suid = true`` in the config file).
+# ``ckptfs.suid``: mount(8) keeps ``suid`` for itself (module docstring).
 BOOL_ALIASES = {"suid": ("suid", True), "nosuid": ("suid", False),
+                "ckptfs.suid": ("suid", True), "ckptfs.nosuid": ("suid", False),
                 "ro": ("read_only", True), "rw": ("read_only", False)}
 SECRET_KEYS = frozenset({"access_key_id", "secret_access_key"})
 ALIASES = {"staging": "staging_dir"}
@@ -110,6 +117,10 @@ def parse_options(texts: Iterable[str], *, sloppy: bool = False) -> Options:
     keys = option_keys()
     bools = {k for k, f in Config.model_fields.items() if f.annotation is bool}
     result = Options()
+    items = [item for text in texts for item in split_options(text)]
+    if "ckptfs.suid" in items and "nosuid" in items:
+        raise UserError("mount options 'ckptfs.suid' and 'nosuid' contradict each other (and "
+                        "mount(8) does not keep their order): give one")
     for text in texts:
         for item in split_options(text):
             name, has_value, value = item.partition("=")

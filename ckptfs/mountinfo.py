@@ -89,8 +89,64 @@ def probe(path: str | Path, timeout: float = 2.0) -> int:
     return result[0] if result else errno.ETIMEDOUT
 
 
+def holder(path: str | Path, entries: list[MountEntry] | None = None) -> MountEntry | None:
+    """The mount whose tree holds ``path`` (the top-most of the longest mountpoint that is
+    ``path`` or one of its ancestors), by the path's text: nothing is touched."""
+    target = os.path.abspath(path)
+    found: MountEntry | None = None
+    for entry in mounts() if entries is None else entries:
+        # The later of two at one mountpoint is the top one (the table lists in mount order).
+        if _inside(target, entry.mountpoint) and (
+                found is None or len(entry.mountpoint.rstrip("/")) >=
+                len(found.mountpoint.rstrip("/"))):
+            found = entry
+    return found
+
+
+def _resolved(path: str | Path) -> str:
+    """``path`` with the symlinks of its existing ancestors resolved (it need not exist)."""
+    path = os.path.abspath(path)
+    head, tail = path, ""
+    while not os.path.lexists(head) and head != os.path.dirname(head):
+        head, name = os.path.split(head)
+        tail = os.path.join(name, tail) if tail else name
+    return os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(head)
+
+
+def _inside(path: str, root: str) -> bool:
+    root = root.rstrip("/") or "/"
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_staging_place(staging: Path, mountpoint: Path) -> None:
+    """UserError if the staging directory cannot hold a mount's files where it is: inside
+    the mount itself (the daemon would reach its own files through itself), or inside any
+    FUSE mount (another ckptfs mount would upload this one's journal, node token and
+    control socket to its store; any FUSE daemon would sit under every write of this one).
+    The text of the path first (a hung FUSE mount is never touched), then with symlinks of
+    its existing ancestors resolved."""
+    entries = mounts()
+    mountpoint_text = os.path.abspath(mountpoint)
+    for where in dict.fromkeys((os.path.abspath(staging), _resolved(staging))):
+        if _inside(where, mountpoint_text):
+            raise UserError(f"staging directory {staging} is inside the mountpoint "
+                            f"{mountpoint}: it would be hidden by the mount it serves; put "
+                            "it on the local NVMe, outside the mount")
+        entry = holder(where, entries)
+        if entry is not None and entry.fstype.split(".")[0] in ("fuse", "fuseblk"):
+            kind = "ckptfs mount" if entry.fstype == FSTYPE else f"FUSE mount ({entry.fstype})"
+            raise UserError(f"staging directory {staging} is inside the {kind} "
+                            f"{entry.mountpoint}: staging must be on a local disk (the NVMe), "
+                            "not on a FUSE filesystem")
+
+
 def check_mountpoint(path: Path) -> Path:
     """The mountpoint as an absolute path, or a UserError saying why it cannot be used."""
+    outer = holder(path)
+    if outer is not None and outer.fstype == FSTYPE and \
+            os.path.abspath(path).rstrip("/") != outer.mountpoint.rstrip("/"):
+        raise UserError(f"mountpoint {path} is inside the ckptfs mount {outer.mountpoint}: "
+                        "mount ckptfs on a directory of a local filesystem")
     entry = find(path)
     if entry is not None:
         if entry.fstype == FSTYPE and probe(entry.mountpoint) in _DEAD:
@@ -109,4 +165,9 @@ def check_mountpoint(path: Path) -> Path:
             raise UserError(f"mountpoint {path} is not empty")
     except PermissionError:
         raise UserError(f"mountpoint {path} is not readable") from None
-    return Path(normalize(path))
+    real = normalize(path)
+    outer = holder(real)
+    if outer is not None and outer.fstype == FSTYPE:  # reached through a symlink
+        raise UserError(f"mountpoint {path} is inside the ckptfs mount {outer.mountpoint}: "
+                        "mount ckptfs on a directory of a local filesystem")
+    return Path(real)

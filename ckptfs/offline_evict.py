@@ -68,7 +68,9 @@ class Outcome:
     evicted_files: int = 0
     freed_bytes: int = 0  # disk blocks given back (data files are sparse: not their sizes)
     kept: list[str] = field(default_factory=list)  # "path: why", files that keep their data
-    free_bytes: int = 0  # free space on the staging filesystem afterwards
+    # Free space on the staging filesystem afterwards (a dry run: what it would be then)...
+    free_bytes: int = 0
+    free_before: int = 0  # ...and when it started
     dry_run: bool = False
 
     @property
@@ -155,17 +157,20 @@ def _evict(journal: Journal, staging: Staging, prefix: str, dry_run: bool) -> Ou
     trash = _trash(staging)
     out.evicted_files += len(trash)
     out.freed_bytes += sum(size for _, size in trash)
-    if not dry_run:
-        if trash:
-            staging.remove_trashed([path for path, _ in trash])
-        with journal.transaction():
-            for row in leftovers:
-                journal.set_ranges(row.ino, [])  # fetched ranges: a cache, fetched again
-        # Records the victims REMOTE, makes the journal durable, then unlinks their data.
-        fs.evict(*victims)
-        journal.make_durable()  # the dropped ranges too, before their data goes
+    out.free_before = staging.free_bytes()
+    if dry_run:
+        out.free_bytes = out.free_before + out.freed_bytes
+        return out
+    if trash:
+        staging.remove_trashed([path for path, _ in trash])
+    with journal.transaction():
         for row in leftovers:
-            staging.unlink(row.ino)
+            journal.set_ranges(row.ino, [])  # fetched ranges: a cache, fetched again
+    # Records the victims REMOTE, makes the journal durable, then unlinks their data.
+    fs.evict(*victims)
+    journal.make_durable()  # the dropped ranges too, before their data goes
+    for row in leftovers:
+        staging.unlink(row.ino)
     out.free_bytes = staging.free_bytes()
     return out
 

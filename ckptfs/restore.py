@@ -76,8 +76,10 @@ async def archived_files(fs: Filesystem, row: Row) -> list[Row]:
 
 async def restore(
     fs: Filesystem, row: Row, *, days: int, local: bool, report: Report,
-    poll_interval: float = 5.0,
+    poll_interval: float = 5.0, node: str | None = None,
 ) -> RestoreProgress:
+    """Restore the archived files at or under ``row`` and pin them (``node``: who pinned,
+    in the pin's record)."""
     if fs.fetcher is None:
         raise InvalidArgument("this mount has no warm tier to restore from")
     tier = fs.fetcher.tier
@@ -104,7 +106,7 @@ async def restore(
             if not pinned:
                 # Before the first promote: retention must not move it back meanwhile.
                 until = time.time() + days * 86400
-                await pin_in_store(tier, path, until)
+                await pin_in_store(tier, path, until, node)
                 if local:
                     pin_here(fs.journal, path, until)
                 pinned = True

@@ -19,6 +19,7 @@ from typing import Any
 from ckptfs import client, controlsocket
 from ckptfs.config import Config, load_config
 from ckptfs.errors import UserError
+from ckptfs.humanize import console, human_bytes
 
 JOURNAL_NAME = "journal.db"
 
@@ -110,14 +111,6 @@ def _node_id(config: Config) -> str:
 # -- rendering ---------------------------------------------------------------------------
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
 def human_age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -134,10 +127,9 @@ _STATE_STYLE = {"committed": "green", "absent": "dim", "partial": "yellow",
 
 
 def print_ls_tiers(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    out = console()
     tiers = [t["name"] for t in report["tiers"]]
     table = Table(title="checkpoints", title_justify="left")
     table.add_column("name")
@@ -159,7 +151,7 @@ def print_ls_tiers(report: dict[str, Any]) -> None:
             human_bytes(row["size"]), human_age(row["age_s"]), *cells,
             ", ".join(row["kept_by"]) or "-",
             "; ".join(row["next"]) or _skipped(row) or "-")
-    console.print(table)
+    out.print(table)
     costs = Table(title="tiers", title_justify="left")
     for column, justify in (("tier", "left"), ("url", "left"), ("bytes", "right"),
                             ("$/TB-month", "right"), ("$/month", "right")):
@@ -169,7 +161,7 @@ def print_ls_tiers(report: dict[str, Any]) -> None:
                       f"{t['cost_per_tb_month']:g}", f"{t['monthly_cost']:.2f}")
     costs.add_row("[bold]total", "", f"[bold]{human_bytes(report['total']['bytes'])}", "",
                   f"[bold]{report['total']['monthly_cost']:.2f}")
-    console.print(costs)
+    out.print(costs)
 
 
 def _skipped(row: dict[str, Any]) -> str | None:

@@ -90,26 +90,22 @@ class Staging:
             self.close()
             raise
 
-    def check_store_identity(self, identity: str, adopt: bool = False) -> None:
-        """The files here belong to one store: refuse another one (UserError naming both)
-        unless ``adopt``; record ``identity`` at the first mount (or when adopting).
-
-        A directory without the record (made before it existed) adopts silently."""
+    def recorded_store(self) -> str | None:
+        """The store this directory's files belong to (``store-id``), or None if it has no
+        record yet (a first mount, or a directory made before the record existed)."""
         record = self.root / STORE_ID_NAME
         try:
-            recorded: str | None = record.read_text().strip()
+            return record.read_text().strip() or None
         except FileNotFoundError:
-            recorded = None
+            return None
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"staging directory {self.root}: cannot read {record}: "
                             f"{getattr(exc, 'strerror', None) or exc}") from None
-        if recorded == identity:
-            return
-        if recorded is not None and not adopt:
-            raise UserError(
-                f"staging directory {self.root} belongs to the store {recorded}, not {identity}: "
-                f"its files would go to (or vanish from) the wrong store; mount with that "
-                f"store, another staging directory, or --adopt-store to move it to {identity}")
+
+    def record_store(self, identity: str) -> None:
+        """Record (durably) that this directory's files belong to the store ``identity``.
+        The caller decides when: only once a mount with that store is ready (mount.py)."""
+        record = self.root / STORE_ID_NAME
         tmp = self.root / f".{STORE_ID_NAME}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -129,7 +125,7 @@ class Staging:
 
     def _unusable(self, exc: OSError, what: str) -> UserError:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return UserError(f"staging directory {self.root} is on a full disk")
+            return self._full()
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             what = "is not writable"
         return UserError(f"staging directory {self.root} {what}: {exc.strerror}")
@@ -157,12 +153,21 @@ class Staging:
                     pass
         except OSError as exc:
             raise self._unusable(exc, "is not writable") from None
-        free = self.free_bytes()
-        if free < MIN_FREE_BYTES_TO_MOUNT:
-            raise UserError(
-                f"staging directory {self.root} is on a full disk ({free // 1024} KiB free, "
-                f"at least {MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed)"
-            )
+        if self.free_bytes() < MIN_FREE_BYTES_TO_MOUNT:
+            raise self._full()
+
+    def _full(self) -> UserError:
+        """A mount refused for want of space: the figures, and the way out (docs/OPERATIONS.md,
+        "The staging disk is full")."""
+        try:
+            free = f"{self.free_bytes() // 1024} KiB free"
+        except OSError:
+            free = "no free space"
+        return UserError(
+            f"staging directory {self.root} is on a full disk ({free}, at least "
+            f"{MIN_FREE_BYTES_TO_MOUNT // (1024 * 1024)} MiB needed): drop the NVMe copies of "
+            f"files already in the store with 'ckptfs evict --staging {self.root}' (try "
+            "--dry-run first), or free space elsewhere on that disk")
 
     def lock(self) -> None:
         """Take the directory's lock only, exactly as ``prepare`` does first, without setting

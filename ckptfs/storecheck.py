@@ -1,4 +1,4 @@
-"""Checks of a file-tier store path before a mount (issue #20 item 5).
+"""Checks of a file-tier store path before a mount, and the identity of the warm tier.
 
 A typo in ``--store`` must not end as a directory on the local disk: a file tier's path is
 absolute and exists (``--create-store`` / ``create_store = true`` creates it); the embedded

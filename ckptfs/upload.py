@@ -745,9 +745,13 @@ class Uploader:
                     log.warning("the store looks down (%d failures in a row, the last: %s): "
                                 "one item at a time probes it until it answers; %d items wait",
                                 self._failures_in_a_row, work.error, len(self._pending) + 1)
-        log.warning("%s %s failed (attempt %d, retry in %.1fs): %s",
+        # While the store is taken as down the item waits for a probe, not for its delay.
+        when = (f"retry in {delay:.1f}s" if self._outage_since is None else
+                f"the store looks down: next probe in "
+                f"{max(0.0, self._probe_at - self._clock()):.1f}s, then the rest")
+        log.warning("%s %s failed (attempt %d, %s): %s",
                     {"ino": "upload of", "tomb": "deletion of"}.get(work.key[0], "sweep"),
-                    work.target or work.key, work.attempts, delay, work.error)
+                    work.target or work.key, work.attempts, when, work.error)
         queued = self._pending.get(work.key)
         if queued is None:
             self._pending.add(work)
@@ -852,6 +856,8 @@ class Uploader:
         stamp = self.peers.stamp(version)
         meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
                           checksum, blocks=blocks, stamp=stamp)
+
+        work.done_bytes = 0  # this attempt's bytes (an earlier one may have sent some)
 
         def progress(n: int) -> None:
             work.done_bytes += n

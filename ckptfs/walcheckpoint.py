@@ -4,7 +4,7 @@ SQLite checkpoints a WAL database by itself every 1,000 pages, inside whichever 
 crosses the mark; with ``synchronous = NORMAL`` a checkpoint fsyncs the WAL and the database.
 On the daemon that commit is a FUSE request on the trio thread: every few dozen creates, one
 of them waited for two fsyncs while every other request waited behind it (1,500 creates/s
-of the core without them, 400/s with them; issue 19, item 1). So the daemon turns the automatic
+of the core without them, 400/s with them). So the daemon turns the automatic
 checkpoint off (``PRAGMA wal_autocheckpoint = 0`` on the loop's connection) and this task
 runs PASSIVE checkpoints from a connection of its own, in a worker thread, once a second
 while the journal changes.

@@ -184,7 +184,9 @@ def test_staging_full_disk(tmp_path: Path, mnt: Path, tmpfs: Tmpfs, below: bool)
     staging = disk / "staging" if below else disk
     done = ckptfs("mount", mnt, "--staging", staging, "--store", tmp_path / "store", "--create-store",
                   check=False)
-    assert_user_error(done, str(staging), "full disk")
+    # The figures and the way out, also at 0 bytes free (where the write probe fails).
+    assert_user_error(done, str(staging), "full disk", "KiB free", "MiB needed",
+                      f"ckptfs evict --staging {staging}")
 
 
 def test_staging_small_disk(tmp_path: Path, mnt: Path, tmpfs: Tmpfs) -> None:
@@ -192,7 +194,7 @@ def test_staging_small_disk(tmp_path: Path, mnt: Path, tmpfs: Tmpfs) -> None:
     disk = tmpfs(tmp_path / "disk", "size=2m")
     done = ckptfs("mount", mnt, "--staging", disk, "--store", tmp_path / "store", "--create-store",
                   check=False)
-    assert_user_error(done, str(disk), "full disk", "MiB needed")
+    assert_user_error(done, str(disk), "full disk", "MiB needed", "ckptfs evict --staging")
 
 
 def test_staging_is_a_file(tmp_path: Path, mnt: Path) -> None:

@@ -126,7 +126,7 @@ def test_umount_says_what_it_leaves_behind(
     write(m.path / "step_1/shard", os.urandom(4 * MiB))
     done = ckptfs("umount", m.path, "--no-wait")
     assert done.returncode == 0
-    assert (f"1 files (4.0 MiB) not uploaded; they stay in {m.staging} and go up at the next "
+    assert (f"1 file (4.0 MiB) not uploaded; it stays in {m.staging} and goes up at the next "
             "mount") in done.stderr, done.stderr
     assert f"node {node} stays registered" in done.stderr
     assert node in registered(bucket)

@@ -10,6 +10,7 @@ the evicted files back from the store, byte for byte.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,11 +99,16 @@ def test_offline_evict_drops_committed_keeps_staged_and_reads_back(rig: Rig) -> 
     # A dry run says what would go and changes nothing.
     out = offline(staging, "--dry-run")
     assert "would evict 3 files" in out, out
+    # What is free now and what would be after, not the one as if it were the other.
+    assert re.search(r" free on the staging filesystem now, [\d.]+ [KMG]iB after$", out,
+                     re.MULTILINE), out
+    dry = evict_offline(staging, "", dry_run=True)
+    assert dry.free_bytes == dry.free_before + dry.freed_bytes and dry.freed_bytes > 0
     assert all(data_file(staging, ino).exists() for ino in inos.values())
 
     # A prefix limits it to one checkpoint.
     out = offline(staging, "step_200")
-    assert out.startswith("evicted 1 files, freed 2.0 MiB"), out
+    assert out.startswith("evicted 1 file, freed 2.0 MiB"), out
     assert not data_file(staging, inos["step_200/shard_0.distcp"]).exists()
     assert data_file(staging, inos["step_100/shard_0.distcp"]).exists()
 
@@ -246,7 +252,7 @@ def test_fetched_parts_of_a_remote_file_are_dropped(rig: Rig) -> None:
     m.umount()
 
     out = offline(staging)
-    assert out.startswith("evicted 1 files, freed "), out
+    assert out.startswith("evicted 1 file, freed "), out
     assert not data_file(staging, ino).exists()
     m.remount()
     assert m.state("step_1/big") == "remote"

@@ -196,7 +196,7 @@ print(socks[-1].recv(65536).decode())
 def test_silent_and_numerous_peers_cannot_hold_the_socket(world_mounter: Mounter) -> None:
     """A stranger is refused at connect, before it sends anything (no descriptor held for
     ``REQUEST_TIMEOUT``); a group member gets at most ``MEMBER_CONNECTIONS`` at once; root
-    is never limited (issue 19, item 6)."""
+    is never limited."""
     m = shared_mount(world_mounter, "a")
     sock = str(json.loads(os.getxattr(m.path, "user.ckptfs.daemon"))["control"])
     done = as_user(sock, "1", python=SILENT_PEER)

@@ -5,7 +5,6 @@ documents, and its byte counters match what the test wrote and read.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import re
 import urllib.error

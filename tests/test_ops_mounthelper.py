@@ -55,6 +55,10 @@ def test_options_map_to_config_keys_and_generic_ones_are_ignored() -> None:
 def test_suid_and_nosuid_set_the_suid_key_and_dev_is_refused(tmp_path: Path) -> None:
     assert parse_options(["defaults"]).overrides == {}  # defaults turns neither suid nor dev on
     assert parse_options(["suid"]).overrides == {"suid": True}
+    assert parse_options(["ckptfs.suid"]).overrides == {"suid": True}  # what mount(8) passes
+    assert parse_options(["ckptfs.nosuid"]).overrides == {"suid": False}
+    with pytest.raises(UserError, match="contradict"):
+        parse_options(["nosuid,ckptfs.suid"])
     assert parse_options(["suid,nosuid"]).overrides == {"suid": False}  # the last one wins
     assert parse_options(["nosuid", "suid=true"]).overrides == {"suid": "true"}
     with pytest.raises(UserError, match="'dev': ckptfs always mounts nodev"):
@@ -242,6 +246,48 @@ def test_fstab_line_with_a_bad_option_fails_with_one_line(
         ("mount.ckptfs: error: unknown mount option 'upload_concurency' "
         "(did you mean 'upload_concurrency'?) (see docs/CONFIGURATION.md)")], done.stderr
     assert not is_mounted(fstab_mount)
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(240)
+def test_fstab_asks_for_set_id_bits_with_ckptfs_suid(tmp_path: Path, fstab_mount: Path) -> None:
+    """mount(8) keeps ``suid`` and ``dev`` (its defaults) and passes ``nosuid`` and
+    ``nodev`` first: ``ckptfs.suid`` is how an fstab line asks for set-id bits."""
+    mnt, store, staging = fstab_mount, tmp_path / "store", tmp_path / "staging"
+    store.mkdir()
+    fstab = tmp_path / "fstab"
+
+    def mount(options: str) -> subprocess.CompletedProcess[str]:
+        fstab.write_text(f"{store}  {mnt}  ckptfs  {options},staging_dir={staging}  0  0\n")
+        return subprocess.run(["mount", "-T", str(fstab), str(mnt)], capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    def flags() -> set[str]:
+        entry = find(mnt)
+        assert entry is not None
+        return set(entry.options.split(","))
+
+    def umount() -> None:
+        pid = json.loads(ckptfs("status", "--json", mnt).stdout)["pid"]
+        subprocess.run(["umount", str(mnt)], check=True, timeout=60)
+        wait_dead(pid, timeout=60)
+
+    done = mount("defaults,ckptfs.suid")
+    assert done.returncode == 0, done.stderr
+    assert "nosuid" not in flags() and "nodev" in flags(), flags()  # set-id bits honoured
+    assert json.loads(ckptfs("status", "--json", mnt).stdout)["options"]["suid"] is True
+    umount()
+    # suid and dev never reach the helper: the mount stays nosuid and nodev, as documented.
+    done = mount("defaults,suid,dev")
+    assert done.returncode == 0, done.stderr
+    assert {"nosuid", "nodev"} <= flags(), flags()
+    assert json.loads(ckptfs("status", "--json", mnt).stdout)["options"]["suid"] is False
+    umount()
+    done = mount("nosuid,ckptfs.suid")
+    assert done.returncode != 0 and not is_mounted(mnt)
+    assert done.stderr.splitlines() == [
+        ("mount.ckptfs: error: mount options 'ckptfs.suid' and 'nosuid' contradict each other "
+        "(and mount(8) does not keep their order): give one")], done.stderr
 
 
 def test_install_script_installs_under_destdir(tmp_path: Path) -> None:

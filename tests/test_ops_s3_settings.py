@@ -1,4 +1,4 @@
-"""S3 connection settings of a tier (issue 20, item 13): ``profile`` and ``addressing_style``
+"""S3 connection settings of a tier: ``profile`` and ``addressing_style``
 used against a real S3 server (SeaweedFS, tests/seaweed.py), and errors (of a call, of the
 check at mount, of the mount command) that keep the S3 error code and name the endpoint and
 where the credentials came from.
@@ -163,6 +163,32 @@ def test_a_store_that_cannot_be_reached_names_the_credential_source(aws_files: P
     text = str(caught.value)
     assert "cannot be reached" in text and "endpoint http://127.0.0.1:9" in text, text
     assert "credentials from shared-credentials-file (profile ckpt)" in text, text
+
+
+def test_the_check_at_mount_names_the_s3_error_code_endpoint_and_credentials(
+    aws_files: Path, seaweed: Seaweed
+) -> None:
+    """A HEAD of the bucket has no body: the check asks again with a listing, whose reply
+    tells a missing bucket from refused keys from a port that is no S3 server at all."""
+    def check(**settings: Any) -> str:
+        tier = _tier(seaweed, settings.pop("bucket", seaweed.new_bucket()), **settings)
+        with pytest.raises(TierError) as caught:
+            trio.run(tier.check)
+        return str(caught.value)
+
+    source = "credentials from shared-credentials-file"
+    text = check(bucket="no-such-bucket-here", s3_profile="ckpt")
+    assert text.startswith("bucket 'no-such-bucket-here' of s3://no-such-bucket-here/run does "
+                           "not exist (NoSuchBucket; "), text
+    assert f"endpoint {seaweed.endpoint}" in text and f"{source} (profile ckpt)" in text, text
+    text = check(s3_profile="wrong")
+    assert "refused access: InvalidAccessKeyId: the access key id is not known" in text, text
+    assert f"{source} (profile wrong)" in text, text
+    # The master's port of the same SeaweedFS: an HTTP server, not S3 (it answers 404).
+    master = f"http://127.0.0.1:{seaweed.ports['master']}"
+    text = check(s3_profile="ckpt", s3_endpoint=master)
+    assert text.startswith(f"{master} does not answer as an S3 server (HTTP 404 "), text
+    assert "does not exist" not in text and f"{source} (profile ckpt)" in text, text
 
 
 @pytest.mark.mount

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import Mounter, ckptfs, status, tiers_config
+from tests.mounting import Mounter, ckptfs, status, sync, tiers_config
 from tests.seaweed import Seaweed
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
@@ -100,16 +101,25 @@ def test_status_lists_failing_uploads_while_the_store_is_down(
     assert "injected outage" in failed["error"]
     # The operator's words: the file's path, how often it was tried, when it is tried again.
     assert failed["item"] == "a.pt" and failed["attempts"] >= 1, failed
-    assert failed["retry_in_s"] >= 0, failed
+    if report["store_outage"] is None:
+        assert failed["retry_in_s"] >= 0, failed
+    else:  # taken as down already: it waits for a probe, whatever its own backoff says
+        assert failed["retry_in_s"] is None, failed
     assert report["queue"]["files"] == 1
+    assert report["eta_s"] is None, report  # no ETA while uploads fail
     human = ckptfs("status", m.path).stdout
     assert "a.pt" in human and "('ino'" not in human, human
+    line = next(line for line in human.splitlines() if "a.pt: " in line)
+    assert "injected outage" in line and "attempt" in line and "next try" in line, human
     with open(m.path / "still-open.pt", "wb") as f:   # open for writing: listed by path
         f.write(b"x")
         f.flush()
         report = status(m)
         assert report["open_for_writing"] == ["still-open.pt"], report
         assert report["open_for_writing_count"] == 1
+        human = ckptfs("status", m.path).stdout
+        assert any("open for writing" in line and "still-open.pt" in line
+                   for line in human.splitlines()), human
     down.unlink()
     ckptfs("sync", m.path)
     assert status(m)["failed"] == [] and status(m)["open_for_writing"] == []
@@ -138,14 +148,104 @@ def test_status_shows_a_store_outage_and_the_queue_waits_for_one_probe(
     assert outage is not None and outage["failures_in_a_row"] >= 3, report
     assert report["failed_count"] >= 3 and len(report["failed"]) <= report["failed_count"]
     assert report["queue"]["files"] == len(names)
+    # No ETA while the store is down (the last minute's rate says nothing): since when.
+    assert report["eta_s"] is None and report["store_unavailable_since"] is not None, report
+    assert time.time() - 120 < report["store_unavailable_since"] <= time.time(), report
+    assert all(f["retry_in_s"] is None for f in report["failed"]), report["failed"]
     human = ckptfs("status", m.path).stdout
     assert "down for" in human and "next probe" in human, human
+    assert "no ETA: the store is unavailable since" in human and "ETA " not in \
+        human.replace("no ETA", ""), human
+    assert "next try after the store answers a probe" in human, human
     down.unlink()
     ckptfs("sync", m.path)
     after = status(m)
     assert after["store_outage"] is None and after["failed_count"] == 0, after
     for name in names:
         assert (store / name).read_bytes() == name.encode() * 100
+
+
+def test_a_first_change_waiting_for_the_registration_is_a_stall(
+        tmp_path: Path, mounter: Mounter) -> None:
+    """The store down at a node's first change: the request waits for the node's
+    registration, up to register_timeout, and status, the metrics and the log say so."""
+    import threading
+
+    from tests.s3server import free_port
+    from tests.test_ops_metrics import scrape
+
+    store, down = tmp_path / "store", tmp_path / "down"
+    store.mkdir()
+    port = free_port()
+    m = mounter(config=tiers_config(tmp_path / "c.toml", store.as_uri(),
+                                    faults={"down_file": str(down)}, register_timeout="6s",
+                                    metrics_port=port))
+    down.touch()
+    failed: list[OSError] = []
+
+    def first_change() -> None:
+        try:
+            (m.path / "step_1").mkdir()
+        except OSError as exc:
+            failed.append(exc)
+
+    writer = threading.Thread(target=first_change)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 30
+        report = status(m)
+        while not report["node"]["registration_wait"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            report = status(m)
+        wait = report["node"]["registration_wait"]
+        assert wait is not None and wait["requests"] == {"mkdir": 1}, report["node"]
+        assert wait["limit_s"] == 6 and time.time() - 30 < wait["since"] <= time.time()
+        deadline = time.monotonic() + 30
+        while not report["node"]["registration_wait"]["error"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            report = status(m)
+        assert "injected outage" in report["node"]["registration_wait"]["error"]
+        assert report["write_stall_s"] > 0 and report["store_unavailable_since"] is not None
+        human = ckptfs("status", m.path).stdout
+        row = next(line for line in human.splitlines() if "writers stalled" in line)
+        assert "1 mkdir waits for this node's registration in the store" in row, human
+        assert "EIO after 6s" in row and "register_timeout" in row, human
+        assert scrape(port)["ckptfs_registration_waiting_requests"] == 1
+    finally:
+        writer.join(timeout=60)
+    assert failed and failed[0].errno == errno.EIO, failed  # after register_timeout
+    report = status(m)
+    assert report["node"]["registration_wait"] is None
+    assert report["write_stall_s"] >= 5, report  # the whole wait, about register_timeout
+    samples = scrape(port)
+    assert samples["ckptfs_registration_wait_seconds_total"] >= 5, samples
+    assert samples["ckptfs_write_stall_seconds_total"] >= 5, samples
+    assert samples["ckptfs_registration_waiting_requests"] == 0
+    log = (m.staging / "daemon.log").read_text()
+    assert "1 request (mkdir) waits for it since" in log, log[-3000:]
+    down.unlink()
+    (m.path / "step_1").mkdir()  # the store is back: the first change registers and goes
+    assert status(m)["node"]["registered"]
+
+
+def test_tables_without_a_terminal_print_whole_values(tmp_path: Path, mounter: Mounter) -> None:
+    """Piped (a batch log, grep): node ids, paths and states are printed whole, however wide
+    the table gets; ``--json`` stays the format for programs."""
+    node = "gpu-node-0042-of-a-cluster-with-a-long-naming-scheme-" + "x" * 40
+    m = mounter(extra=["-o", f"node_id={node}"])
+    name = "step_100_" + "descriptive-run-name-" * 4
+    (m.path / name).mkdir()
+    (m.path / name / "model.pt").write_bytes(b"m" * 1000)
+    sync(m)
+    env = {**os.environ, "COLUMNS": "80"}
+    nodes = ckptfs("nodes", m.path, env=env).stdout
+    assert node in nodes, nodes
+    assert max(map(len, nodes.splitlines())) > 80
+    tiers = ckptfs("ls-tiers", m.path, env=env).stdout
+    row = next(line for line in tiers.splitlines() if name in line)
+    assert "committed" in row and "…" not in tiers, tiers
+    human = ckptfs("status", m.path, env=env).stdout
+    assert str(m.staging) in human and node in human, human
 
 
 SECRET_KEY = "opsTestSecret/Very+Private/9876543210"
@@ -183,22 +283,27 @@ def test_credentials_never_in_logs_status_or_command_line(
         assert secret not in cmdline
 
 
-def test_log_lines_are_redacted_and_one_line() -> None:
+def test_log_lines_are_one_line_and_only_credentials_are_masked() -> None:
+    """The AWS SDK's records (which may dump headers) are masked; ckptfs's own lines are
+    left alone: with the secret key ``test`` a file named ``latest`` stays ``latest``."""
     import logging
+    import sys
 
     from ckptfs.cli import _OneLineRedacting
 
-    formatter = _OneLineRedacting("%(levelname)s %(message)s", [SECRET_KEY, "abc"])
+    formatter = _OneLineRedacting("%(levelname)s %(message)s", [SECRET_KEY, "test"])
     try:
         raise ValueError(f"bad key {SECRET_KEY}")
     except ValueError:
-        import sys
-
-        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed with %s",
-                                   (SECRET_KEY,), sys.exc_info())
+        record = logging.LogRecord("botocore.endpoint", logging.ERROR, __file__, 1,
+                                   "sending %s", ({"X-Amz-Security-Token": SECRET_KEY},),
+                                   sys.exc_info())
     line = formatter.format(record)
     assert SECRET_KEY not in line and "***" in line
     assert "\n" not in line and "ValueError" in line
+    ours = logging.LogRecord("ckptfs.upload", logging.INFO, __file__, 1,
+                             "uploaded %s\nand test/x", ("latest",), None)
+    assert formatter.format(ours) == "INFO uploaded latest | and test/x"
 
 
 def test_staging_directory_0711_and_journal_0600(tmp_path: Path, mounter: Mounter) -> None:

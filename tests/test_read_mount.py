@@ -11,6 +11,7 @@ tests/test_read_path.py checks the same rules without a mount (memory tier, virt
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -281,10 +282,14 @@ def test_glacier_object_needs_restore(mounter: Mounter, bucket: Bucket, tmp_path
     assert f"run `ckptfs restore {path}`" in daemon_log(b)
 
     done = ckptfs("restore", b.path / "step_1", "--poll-interval", "0.2", "--timeout", "60")
-    assert "restored 1 files" in done.stdout
+    assert "restored 1 file" in done.stdout
     assert path.read_bytes() == data
     head = bucket.client.head_object(Bucket=bucket.name, Key=key)
     assert head.get("StorageClass", "STANDARD") == "STANDARD"  # kept in the warm tier
+    # The pin keeping it there names the node that restored it.
+    pin = bucket.client.get_object(Bucket=bucket.name, Key=PREFIX + ".ckptfs/pins/step_1")
+    node = json.loads(ckptfs("status", "--json", b.path).stdout)["node"]["node"]
+    assert json.loads(pin["Body"].read())["by"] == node
     again = ckptfs("restore", path, "--poll-interval", "0.2")
     assert "nothing to restore" in again.stdout
 

@@ -1,5 +1,5 @@
 """A file-tier store path: absolute, existing (or --create-store), no s3:/ typos, a warning when
-it is local (issue #20 item 5). Real CLI subprocesses; one real mount per mount test."""
+it is local. Real CLI subprocesses; one real mount per mount test."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_config_create_store_and_other_filesystem(tmp_path: Path, mnt: Path, mou
     assert_nothing_left(mnt)
 
 
-# -- the store a staging directory belongs to (issue #20 item 6) ----------------------------
+# -- the store a staging directory belongs to ---------------------------------------------
 
 
 def test_staging_refuses_another_store(tmp_path: Path, mounter: Mounter) -> None:

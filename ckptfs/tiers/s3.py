@@ -84,6 +84,15 @@ _TRANSIENT_CODES = {
     "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
 }
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+# What a refusal of the check at mount means, by S3 error code: the operator's next step.
+_REFUSAL_HINTS = {
+    "InvalidAccessKeyId": "the access key id is not known to this store",
+    "SignatureDoesNotMatch": "the secret key does not belong to the access key id",
+    "AccessDenied": "these credentials may not list the bucket (its policy, or the user's)",
+    "ExpiredToken": "the session token has expired",
+    "InvalidToken": "the session token is not valid",
+    "AllAccessDisabled": "all access to this bucket is disabled",
+}
 
 
 def credential_source(session: Any, profile: str | None) -> str:
@@ -251,14 +260,44 @@ class S3Tier(Tier):
     async def check(self) -> None:
         try:
             await self._call(self.client.head_bucket, Bucket=self.bucket)
-        except ObjectMissing:
-            raise TierError(f"bucket {self.bucket!r} of {self.url} does not exist") from None
-        except TierError as exc:
-            raise TierError(f"store {self.url} refused access (check credentials): {exc}") from None
+            return
         except StoreUnavailable as exc:
             # botocore's own text (which names the URL it tried), then where we sent it.
             raise TierError(f"store {self.url} cannot be reached: {exc.__cause__ or exc} "
                             f"({self.where})") from None
+        except (ObjectMissing, TierError):
+            # A reply to HEAD has no body, so no S3 error code: a missing bucket, refused
+            # credentials and a server that is no S3 at all (another port of the store) all
+            # read "404" or "403". A listing's reply names the error.
+            pass
+        try:
+            await self._call(self.client.list_objects_v2, Bucket=self.bucket,
+                             Prefix=self.prefix, MaxKeys=1)
+        except (ObjectMissing, TierError, StoreUnavailable) as exc:
+            raise TierError(self._refused(exc)) from None
+        # HEAD refused, a listing allowed (a policy may grant one and not the other): usable.
+
+    def _refused(self, exc: Exception) -> str:
+        """The one line for a check the store refused: the S3 error code, what it means, the
+        endpoint and the credentials' source; or that the endpoint is not an S3 server."""
+        from botocore.exceptions import ClientError
+
+        cause = exc.__cause__
+        if not isinstance(cause, ClientError):
+            return f"store {self.url} refused the check: {exc} ({self.where})"
+        error = cause.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = str(cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        if not code or code.isdigit():
+            endpoint = _without_userinfo(self.client.meta.endpoint_url)
+            return (f"{endpoint} does not answer as an S3 server (HTTP {status or code} with "
+                    f"no S3 error code to a listing of bucket {self.bucket!r}): is it the "
+                    f"store's S3 port, not another service's? ({self.where})")
+        if code == "NoSuchBucket":
+            return f"bucket {self.bucket!r} of {self.url} does not exist (NoSuchBucket; " \
+                   f"{self.where})"
+        hint = _REFUSAL_HINTS.get(code) or str(error.get("Message", "")) or "refused"
+        return f"store {self.url} refused access: {code}: {hint} ({self.where})"
 
     async def cleanup(self, keys_of_ours: set[str]) -> int:
         if not keys_of_ours:

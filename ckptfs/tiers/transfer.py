@@ -12,7 +12,7 @@
 - otherwise a streamed copy: the object is read into a temporary file in ``scratch`` (on the
   staging disk) and put from there.
 
-Invariants (issue 15, item 8: a copy is checked before the warm copy may go):
+Invariants (a copy is checked before the warm copy may go):
 - Every copy whose bytes pass through this node is checked against the CRC32C recorded for
   the data (``expected``, from the journal, else the source's ``ckptfs-checksum``) *before*
   it is put: a streamed copy sums the bytes as they arrive, a file-tier source is summed
