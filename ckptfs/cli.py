@@ -314,11 +314,13 @@ def mount(
         check_mountpoint(mountpoint)
         _check_log_file(config, mountpoint)
         warnings = _check_stores(config)
-        _spawn_daemon(mountpoint, config_file, overrides)
+        note = _spawn_daemon(mountpoint, config_file, overrides)
         # After the mount: a failed one prints its one error line and nothing else.
         for warning in warnings:
             print("ckptfs: warning: " + warning, file=sys.stderr)
         print(_ready_line(config, mountpoint))
+        if note:  # passthrough = "auto" could not be used: say who serves the data, and why
+            print(f"ckptfs: {note}")
         return
     if ready_fd is None:  # with --ready-fd, the parent that spawned this daemon checked
         check_mountpoint(mountpoint)
@@ -370,8 +372,9 @@ def _check_stores(config: Config) -> list[str]:
     return check_stores(config)
 
 
-def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]) -> None:
-    """Start ``mount --foreground`` detached and relay its readiness or its one-line error."""
+def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]) -> str:
+    """Start ``mount --foreground`` detached and relay its readiness or its one-line error;
+    returns the daemon's note on a mount that is ready ("" without one)."""
     from ckptfs.mounthelper import format_option
 
     args = [sys.executable, "-m", "ckptfs", "mount", os.path.abspath(mountpoint), "--foreground"]
@@ -404,8 +407,9 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
         )
     os.close(write_end)
     message = _read_ready(read_end, proc)
-    if message != "ok":
+    if message != "ok" and not message.startswith("ok "):
         raise UserError(message.removeprefix("error: "), exit_code=1)
+    return message[3:]
 
 
 def _ready_line(config: Config, mountpoint: Path) -> str:
@@ -490,7 +494,8 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
         os.dup2(log_fd, 2)
         os.close(log_fd)
     try:
-        trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"))
+        trio.run(mount_mod.serve, config, real_mountpoint, staging,
+                 lambda note: report(f"ok {note}".strip()))
     except BaseException as exc:
         if ready_fd is not None:
             what = str(exc) or type(exc).__name__

@@ -7,7 +7,8 @@ the journal's replay and before the node registers: a node that must hold barrie
 in its registration.
 
 A mount is *ready* when the kernel has accepted it; ``serve`` calls ``on_ready`` at that point
-(the CLI uses it to let a background ``ckptfs mount`` return, systemd gets READY=1).
+(the CLI uses it to let a background ``ckptfs mount`` return, systemd gets READY=1), with a
+note when ``passthrough = "auto"`` found it could not be used (the CLI prints it).
 
 Registration is lazy (coordination.py): at mount only a node with work left in its journal
 (or a hold) registers; any other registers before its first request that changes the tree
@@ -45,7 +46,7 @@ from ckptfs.fuse_ops import FuseOps
 from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.mountinfo import check_mountpoint, find, mounts
 from ckptfs.noderun import NodeRun, boot_id, write_stop_report
-from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts
+from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts, fallback_note
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
@@ -204,7 +205,7 @@ def raise_nofile_limit() -> int:
 
 
 async def serve(
-    config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[], None]
+    config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[str], None]
 ) -> None:
     """Mount and serve until unmounted or signalled."""
     # FUSE handlers run on the trio thread and share the GIL with upload threads; a short
@@ -213,7 +214,7 @@ async def serve(
     raise_nofile_limit()
     # Before anything is mounted or registered: passthrough = on without what it needs fails
     # the mount here, with the missing piece (passthrough.py).
-    passthrough = decide(config.passthrough, facts(pyfuse3))
+    passthrough = decide(config.passthrough, facts(pyfuse3, staging.root))
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     _owner_only(staging.root, JOURNAL_NAME)
@@ -288,7 +289,7 @@ async def serve(
 
 async def _serve_registered(
     config: Config, mountpoint: Path, staging: Staging, journal: Journal, tier: Tier,
-    fs: Filesystem, uploader: Uploader, coordinator: Coordinator, on_ready: Callable[[], None],
+    fs: Filesystem, uploader: Uploader, coordinator: Coordinator, on_ready: Callable[[str], None],
     passthrough: Decision,
 ) -> None:
     """Serve the mount of a registered node until it is unmounted."""
@@ -367,11 +368,12 @@ async def _serve_registered(
                          " read-only" if config.read_only else "", staging.root,
                          config.warm.url)
                 nursery.start_soon(_terminate_on_signal)
-                on_ready()
+                on_ready(fallback_note(config.passthrough, passthrough))
                 sd_notify("READY=1")
                 await pyfuse3.main(min_tasks=1, max_tasks=config.fuse_workers)
             finally:
                 sd_notify("STOPPING=1")
+                ops.passthrough.close()  # files a mapping still holds: staged as they are
                 fs.close()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)
