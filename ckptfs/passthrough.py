@@ -1,4 +1,4 @@
-"""FUSE passthrough (issue 16): whether a mount may use it, and which opens go through it.
+"""FUSE passthrough: whether a mount may use it, and which opens go through it.
 
 With passthrough the kernel serves read/write/mmap of an open straight from a backing file (the
 staging file), without a request to the daemon. Kernel rules this module encodes (Linux 6.9+,
