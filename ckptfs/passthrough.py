@@ -606,8 +606,10 @@ class PassthroughFiles:
             self.fs.release(fh)
 
     def close(self) -> None:
-        """The mount ends: files still mapped are released with the bytes they hold now
-        (staged, uploaded later), rather than left OPEN as if their writer had crashed."""
+        """The daemon stops (SIGTERM; an unmount is refused while the kernel's backing file
+        of a mapping keeps the mount's path): files still mapped are released with the bytes
+        they hold now (staged, uploaded at the next mount), rather than left OPEN as if
+        their writer had crashed."""
         for ino, handles in self._parked.items():
             log.warning("inode %d is still mapped at unmount: writes through the mapping from "
                         "now on are not uploaded", ino)
