@@ -1,4 +1,4 @@
-"""ckptfs with ``passthrough = on`` on a real mount (issue 16, docs/PASSTHROUGH.md).
+"""ckptfs with passthrough on a real mount (docs/PASSTHROUGH.md), the default where it can run.
 
 A wholly local file is written and read back by the kernel from its staging file: the daemon
 sees its opens, flushes and releases but no READ or WRITE request, and still learns the size
