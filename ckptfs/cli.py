@@ -341,11 +341,14 @@ def mount(
         check_staging_place(config.staging_dir, mountpoint)
         _check_log_file(config, mountpoint)
         warnings = _check_stores(config)
-        warnings += _spawn_daemon(mountpoint, config_file, overrides)
+        reported, note = _spawn_daemon(mountpoint, config_file, overrides)
+        warnings += reported
         # After the mount: a failed one prints its one error line and nothing else.
         for warning in warnings:
             print("ckptfs: warning: " + warning, file=sys.stderr)
         print(_ready_line(config, mountpoint))
+        if note:  # passthrough = "auto" could not be used: say who serves the data, and why
+            print(f"ckptfs: {note}")
         return
     if ready_fd is None:  # with --ready-fd, the parent that spawned this daemon checked
         check_mountpoint(mountpoint)
@@ -398,9 +401,10 @@ def _check_stores(config: Config) -> list[str]:
 
 
 def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[str, Any]
-                  ) -> list[str]:
+                  ) -> tuple[list[str], str]:
     """Start ``mount --foreground`` detached and relay its readiness or its one-line error;
-    returns the warnings it reported before it was ready (one line each)."""
+    returns the warnings it reported before it was ready (one line each) and its note on a
+    mount that is ready ("" without one)."""
     from ckptfs.mounthelper import format_option
 
     args = [sys.executable, "-m", "ckptfs", "mount", os.path.abspath(mountpoint), "--foreground"]
@@ -433,9 +437,9 @@ def _spawn_daemon(mountpoint: Path, config_file: Path | None, overrides: dict[st
         )
     os.close(write_end)
     warnings, message = _read_ready(read_end, proc)
-    if message != "ok":
+    if message != "ok" and not message.startswith("ok "):
         raise UserError(message.removeprefix("error: "), exit_code=1)
-    return warnings
+    return warnings, message[3:]
 
 
 def _ready_line(config: Config, mountpoint: Path) -> str:
@@ -558,8 +562,8 @@ def _serve_foreground(config: Config, mountpoint: Path, ready_fd: int | None) ->
         os.dup2(log_fd, 2)
         os.close(log_fd)
     try:
-        trio.run(mount_mod.serve, config, real_mountpoint, staging, lambda: report("ok"),
-                 claim, warn)
+        trio.run(mount_mod.serve, config, real_mountpoint, staging,
+                 lambda note: report(f"ok {note}".strip()), claim, warn)
     except BaseException as exc:
         failure = _mount_failure(exc)
         if failure is None:

@@ -288,9 +288,10 @@ class Config(_Strict):
     # (docs/SEMANTICS.md, "Page cache").
     write_direct_io: bool = True
     # FUSE passthrough (docs/PASSTHROUGH.md): opens of wholly local files served by the kernel
-    # straight from the staging file. "auto" falls back with one log line, "on" fails the
-    # mount with the reason, "off" never asks (and keeps the stock pyfuse3).
-    passthrough: Literal["auto", "on", "off"] = "off"
+    # straight from the staging file. "auto" falls back, saying why on the mount's output and
+    # in status; "on" fails the mount with the reason; "off" never asks (and keeps the stock
+    # pyfuse3).
+    passthrough: Literal["auto", "on", "off"] = "auto"
     # Budget a passthrough writer holds ahead of its writes (the daemon never sees them to
     # stall them): a writable open that cannot get it is served by the daemon instead.
     passthrough_write_reserve: int = Field(default=1024**3, ge=1024**2)

@@ -467,6 +467,8 @@ class ControlServer:
         # Someone waits for the store now: failing items (and a store-down probe) are tried
         # within a second, not after their backoff (up to 90 s).
         self.uploader.hurry()
+        if self.passthrough is not None:
+            self.passthrough.poll()  # a file unmapped just now is staged before we look
         upto = self.uploader.last_seq()
         total = None
         while True:

@@ -1525,10 +1525,21 @@ class Filesystem:
             self._end_write(row)
         elif self.ns.is_dirty(row.ino):
             self.ns.persist(row)
-        self.staging.release(handle.ino, handle.fd)
+        if handle.fd is not None:
+            self.staging.release(handle.ino, handle.fd)
         self.ns.unpin(handle.ino)
         if not self.ns.open_count(handle.ino):
             self._space_freed.unpark_all()  # it may be evicted now: a writer short of room
+
+    def detach(self, fh: int) -> None:
+        """Give back ``fh``'s staging descriptor; the handle stays open (a writer's file stays
+        OPEN) until ``release``, and no request may use it meanwhile. For a release that
+        must wait while a passthrough mapping may still write the file (passthrough.py): the
+        daemon must then hold no descriptor of it open for writing."""
+        handle = self._handle(fh)
+        if handle.fd is not None:
+            self.staging.release(handle.ino, handle.fd)
+            handle.fd = None
 
     async def fsyncdir(self) -> None:
         await self.journal.make_durable_async()

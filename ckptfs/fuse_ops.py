@@ -7,8 +7,10 @@ Invariants:
 - Every inode the kernel is told about (lookup, create, mkdir, symlink, readdirplus entry)
   is counted with ``Filesystem.lookup``/``remember`` so that ``forget`` balances it.
 - Every open/create that succeeded is reported to ``PassthroughFiles`` (passthrough.py), which
-  decides how the kernel serves it; every RELEASE too. Attributes and flush/fsync/release
-  first let it copy what passthrough writes did to the staging file into the row.
+  decides how the kernel serves it; every RELEASE goes through it to the core (it may hold a
+  writer's release while a passthrough mapping can still write the file). Attributes and
+  flush/fsync/release first let it copy what passthrough writes did to the staging file
+  into the row.
 """
 
 from __future__ import annotations
@@ -218,10 +220,7 @@ class FuseOps(pyfuse3.Operations):
     @_translate_errors
     async def release(self, fh: int) -> None:
         self._refresh_handle(fh)
-        try:
-            self.fs.release(fh)
-        finally:
-            self.passthrough.released(fh)
+        self.passthrough.release(fh)  # the core's release, now or once no mapping writes
 
     @_translate_errors
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -7,7 +7,8 @@ the journal's replay and before the node registers: a node that must hold barrie
 in its registration.
 
 A mount is *ready* when the kernel has accepted it; ``serve`` calls ``on_ready`` at that point
-(the CLI uses it to let a background ``ckptfs mount`` return, systemd gets READY=1).
+(the CLI uses it to let a background ``ckptfs mount`` return, systemd gets READY=1), with a
+note when ``passthrough = "auto"`` found it could not be used (the CLI prints it).
 
 The store a staging directory belongs to (``<staging>/store-id``) is checked before anything
 starts (``claim_store``: another store is refused unless adopted) and recorded only once the
@@ -56,7 +57,7 @@ from ckptfs.humanize import count, plural
 from ckptfs.journal import ROOT_INODE, Journal, State
 from ckptfs.mountinfo import check_mountpoint, check_staging_place, find, mounts
 from ckptfs.noderun import NodeRun, boot_id, write_stop_report
-from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts
+from ckptfs.passthrough import Decision, PassthroughFiles, decide, facts, fallback_note
 from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.storecheck import store_identity
@@ -305,7 +306,7 @@ def raise_nofile_limit() -> int:
 
 
 async def serve(
-    config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[], None],
+    config: Config, mountpoint: Path, staging: Staging, on_ready: Callable[[str], None],
     claim: StoreClaim | None = None, on_warning: Callable[[str], None] = lambda _: None,
 ) -> None:
     """Mount and serve until unmounted or signalled. ``claim`` (``claim_store``): the store
@@ -319,7 +320,7 @@ async def serve(
     raise_nofile_limit()
     # Before anything is mounted or registered: passthrough = on without what it needs fails
     # the mount here, with the missing piece (passthrough.py).
-    passthrough = decide(config.passthrough, facts(pyfuse3))
+    passthrough = decide(config.passthrough, facts(pyfuse3, staging.root))
     tier = await open_warm_tier(config)
     journal = Journal(staging.root / JOURNAL_NAME)
     _owner_only(staging.root, JOURNAL_NAME)
@@ -328,10 +329,10 @@ async def serve(
         if claim.adopting:
             _adopted(claim, staging, journal, on_warning)
 
-        def ready() -> None:
+        def ready(note: str) -> None:
             if claim.recorded != claim.identity:
                 staging.record_store(claim.identity)
-            on_ready()
+            on_ready(note)
         fs = Filesystem(
             journal, staging, unlink_remote=config.unlink == "posix",
             fsync_remote=config.fsync == "remote",
@@ -403,7 +404,7 @@ async def serve(
 
 async def _serve_registered(
     config: Config, mountpoint: Path, staging: Staging, journal: Journal, tier: Tier,
-    fs: Filesystem, uploader: Uploader, coordinator: Coordinator, on_ready: Callable[[], None],
+    fs: Filesystem, uploader: Uploader, coordinator: Coordinator, on_ready: Callable[[str], None],
     passthrough: Decision,
 ) -> None:
     """Serve the mount of a registered node until it is unmounted."""
@@ -485,11 +486,12 @@ async def _serve_registered(
                          " read-only" if config.read_only else "", staging.root,
                          config.warm.url)
                 nursery.start_soon(_terminate_on_signal)
-                on_ready()
+                on_ready(fallback_note(config.passthrough, passthrough))
                 sd_notify("READY=1")
                 await pyfuse3.main(min_tasks=1, max_tasks=config.fuse_workers)
             finally:
                 sd_notify("STOPPING=1")
+                ops.passthrough.close()  # files a mapping still holds: staged as they are
                 fs.close()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)

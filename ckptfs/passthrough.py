@@ -1,4 +1,4 @@
-"""FUSE passthrough (issue 16): whether a mount may use it, and which opens go through it.
+"""FUSE passthrough: whether a mount may use it, and which opens go through it.
 
 With passthrough the kernel serves read/write/mmap of an open straight from a backing file (the
 staging file), without a request to the daemon. Kernel rules this module encodes (Linux 6.9+,
@@ -26,9 +26,11 @@ only part that reads the core's rows and staging files.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import platform
+import signal
 import stat
 import sys
 from dataclasses import dataclass, field
@@ -85,6 +87,9 @@ class Facts:
     kernel: tuple[int, int]
     cap_sys_admin: bool
     pyfuse3_has_passthrough: bool
+    # Why the staging filesystem cannot tell whether a file is open for writing ("" if it
+    # can): ``writers_left`` asks it with a read lease (see ``PassthroughFiles``).
+    leases: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +98,12 @@ class Decision:
     reason: str         # why not, when not ("" when requested)
 
 
-def facts(pyfuse3_module: Any) -> Facts:
+def facts(pyfuse3_module: Any, staging_root: Path) -> Facts:
     return Facts(
         kernel=_kernel_release(platform.release()),
         cap_sys_admin=_has_cap_sys_admin(),
         pyfuse3_has_passthrough=hasattr(pyfuse3_module, "passthrough_open"),
+        leases=_leases_unusable(staging_root),
     )
 
 
@@ -114,12 +120,23 @@ def decide(mode: Mode, f: Facts) -> Decision:
         reason = f"kernel {f.kernel[0]}.{f.kernel[1]} has no FUSE passthrough (6.9+)"
     elif not f.cap_sys_admin:
         reason = "registering backing files needs CAP_SYS_ADMIN"
+    elif f.leases:
+        reason = (f"the staging filesystem refuses file leases ({f.leases}), which the "
+                  f"daemon needs to see a mapping outlive its descriptor")
     if not reason:
         return Decision(True, "")
     if mode == "on":
         raise UserError(f"passthrough = on, but {reason}")
     log.info("passthrough off: %s", reason)
     return Decision(False, reason)
+
+
+def fallback_note(mode: Mode, decision: Decision) -> str:
+    """What ``ckptfs mount`` says beside its success line when ``auto`` could not use
+    passthrough ("" otherwise: it is in use, or the user turned it off)."""
+    if mode != "auto" or decision.request:
+        return ""
+    return f"the daemon serves reads and writes (no FUSE passthrough: {decision.reason})"
 
 
 def _kernel_release(release: str) -> tuple[int, int]:
@@ -139,6 +156,45 @@ def _has_cap_sys_admin(status: str = "/proc/self/status") -> bool:
     except OSError:
         pass
     return False
+
+
+def writers_left(path: Path) -> bool:
+    """Whether anything holds the file at ``path`` open for writing, as the kernel counts:
+    it refuses a read lease (EAGAIN) while any open file description of the inode has write
+    access, mapped or not. The caller must hold none itself. A missing file has none.
+
+    The lease is dropped at once; should a writer open the file meanwhile, the lease break
+    is signalled with SIGURG (ignored by default) rather than SIGIO, which would kill us."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except BlockingIOError:
+            return True
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _leases_unusable(directory: Path) -> str:
+    """Why ``writers_left`` cannot work for files in ``directory`` ("" if it can)."""
+    probe = directory / ".lease-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+        writers_left(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return ""
 
 
 # -- which opens go through it
@@ -298,6 +354,19 @@ class PassthroughFiles:
       wait as a daemon-served writer does (docs/PASSTHROUGH.md, "Space").
     - Pages the kernel cached for a daemon-served open may be stale once the file was written
       in passthrough: the next daemon-served open of it drops them (keep_cache off).
+    - No write the daemon cannot see: every write of a passthrough open goes through its FUSE
+      file, whose RELEASE comes after the last descriptor, dup, fork, splice or in-flight I/O
+      of it is gone -- except a shared mapping. The kernel maps the *backing* file, so the
+      mapping outlives the FUSE file: after RELEASE it can still write the staging file.
+      Only an ``O_RDWR`` open can map a file writable (``mmap`` needs read access, and write
+      access for ``PROT_WRITE``; ``O_WRONLY`` cannot map at all). So once an ``O_RDWR``
+      open of an inode went passthrough (*mappable*), the core's release of its writable
+      handles waits (``_parked``, their staging descriptors given back at once) until (1)
+      no open of the inode is left and (2) ``writers_left`` says nothing holds its staging
+      file open for writing: a mapping holds the backing file, opened read-write, until
+      munmap. Until then the file stays OPEN, as on the daemon path, where RELEASE itself
+      waits for munmap; ``watch`` (and ``poll``, which ``ckptfs sync`` calls) asks again.
+      Write-only opens (``torch.save``, DCP, safetensors) never wait for this.
 
     Runs on the trio thread only.
     """
@@ -308,8 +377,14 @@ class PassthroughFiles:
     table: BackingTable = field(default_factory=lambda: BackingTable(None))
     counters: Counters = field(default_factory=Counters)
     write_reserve: int = WRITE_HEADROOM
-    # fh -> (ino, backing id, writable)
+    # fh -> (ino, backing id, writable and passthrough)
     _handles: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
+    # Inodes with an O_RDWR passthrough open since their opens last all went away (a shared
+    # writable mapping of them may outlive every open), and the core handles whose release
+    # waits until no mapping can write them.
+    _mappable: set[int] = field(default_factory=set)
+    _parked: dict[int, list[int]] = field(default_factory=dict)
+    _unsure: set[int] = field(default_factory=set)            # parked, lease probe failing
     _seen: dict[int, tuple[int, int]] = field(default_factory=dict)      # ino -> size, mtime
     _written: set[int] = field(default_factory=set)
     _writers: dict[int, int] = field(default_factory=dict)    # ino -> writable pt opens
@@ -338,12 +413,15 @@ class PassthroughFiles:
                 "opens": {"passthrough": c.passthrough_opens, "daemon": c.daemon_opens},
                 "requests": {"read": c.read_requests, "write": c.write_requests},
                 "writers": sum(self._writers.values()),
-                "reserved_bytes": sum(self._reserved.values())}
+                "reserved_bytes": sum(self._reserved.values()),
+                "mapped_files": len(self._parked)}
 
     def opened(self, fh: int, ino: int, flags: int, direct_io: bool) -> dict[str, Any]:
         """The core opened ``fh`` on ``ino``: ``pyfuse3.FileInfo`` fields to answer with."""
         first = self.table.mode(ino) == "closed"
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if first and ino in self._parked:
+            self.refresh(ino)  # before the baseline moves: what a mapping wrote meanwhile
         eligible = first and self.table.active and self._eligible(ino)
         reserved = eligible and writable and self._reserve(ino)
         eligible = eligible and (reserved or not writable)
@@ -360,6 +438,8 @@ class PassthroughFiles:
         self._handles[fh] = (ino, backing, writable and bool(backing))
         if backing:
             self.counters.passthrough_opens += 1
+            if flags & os.O_ACCMODE == os.O_RDWR:
+                self._mappable.add(ino)
             if writable:
                 self._writers[ino] = self._writers.get(ino, 0) + 1
                 if ino not in self._reserved:  # a writer joining a reader's passthrough
@@ -416,9 +496,11 @@ class PassthroughFiles:
         self._reserved[ino] = self._reserved.get(ino, 0) + need
 
     def refresh(self, ino: int) -> None:
-        """Size and mtime of an inode open in passthrough, from its staging file."""
-        if self.table.mode(ino) != "passthrough":
-            return
+        """Size and mtime of an inode open in passthrough (or still mapped by one), from its
+        staging file."""
+        mode = self.table.mode(ino)
+        if mode != "passthrough" and not (mode == "closed" and ino in self._parked):
+            return  # daemon-served writes reach the row themselves
         seen = self._stat(ino)
         if seen == self._seen.get(ino) or seen == (-1, -1):
             return
@@ -455,11 +537,21 @@ class PassthroughFiles:
             self.fs.space.give_back(-rest)
 
     async def watch(self, interval: float = WATCH_INTERVAL) -> None:
-        """Follow passthrough writers between their requests (runs for the mount's life)."""
+        """Follow passthrough writers between their requests, and release what waited for
+        a mapping once it is gone (runs for the mount's life)."""
         while True:
             await trio.sleep(interval)
-            for ino in list(self._writers):
+            self.poll()
+
+    def poll(self) -> None:
+        """What ``watch`` does every ``WATCH_INTERVAL``; ``ckptfs sync`` calls it first, so
+        a file unmapped just before is staged before sync looks at the upload queue."""
+        for ino in list(self._writers):
+            self.refresh(ino)
+        for ino in list(self._parked):
+            if self.table.mode(ino) == "closed":
                 self.refresh(ino)
+                self._unpark(ino)
 
     def observe(self, ino: int) -> None:
         """The core changed the staging file itself (a truncate): not a passthrough write."""
@@ -470,10 +562,62 @@ class PassthroughFiles:
         entry = self._handles.get(fh)
         return None if entry is None else entry[0]
 
-    def released(self, fh: int) -> None:
+    def release(self, fh: int) -> None:
+        """RELEASE of ``fh`` (the adapter refreshed first): the core's release, now, or for a
+        writer of a mappable inode once no mapping can write it (the class docstring)."""
         entry = self._handles.pop(fh, None)
         if entry is None:
+            self.fs.release(fh)
             return
+        ino, _, writer = entry
+        try:
+            if writer and ino in self._mappable:
+                # The staging descriptor goes now: ``writers_left`` must not count ours.
+                self.fs.detach(fh)
+                self._parked.setdefault(ino, []).append(fh)
+            else:
+                self.fs.release(fh)
+        finally:
+            self._released(fh, entry)
+        if self.table.mode(ino) == "closed":
+            if ino in self._parked:
+                self._unpark(ino)
+            else:
+                self._mappable.discard(ino)
+
+    def _unpark(self, ino: int) -> None:
+        """Release the parked handles of ``ino`` (no open of it is left) unless something
+        still holds its staging file open for writing: a mapping of a closed O_RDWR open."""
+        try:
+            mapped = writers_left(self.fs.staging.path(ino))
+        except OSError as exc:  # cannot tell (checked at mount: should not happen): wait
+            if ino not in self._unsure:
+                self._unsure.add(ino)
+                log.warning("inode %d: cannot tell whether a mapping still writes it (%s): "
+                            "its upload waits", ino, exc)
+            return
+        self._unsure.discard(ino)
+        if mapped:
+            return
+        handles = self._parked.pop(ino)
+        self._mappable.discard(ino)
+        self._seen.pop(ino, None)
+        for fh in handles:
+            self.fs.release(fh)
+
+    def close(self) -> None:
+        """The daemon stops (SIGTERM; an unmount is refused while the kernel's backing file
+        of a mapping keeps the mount's path): files still mapped are released with the bytes
+        they hold now (staged, uploaded at the next mount), rather than left OPEN as if
+        their writer had crashed."""
+        for ino, handles in self._parked.items():
+            log.warning("inode %d is still mapped at unmount: writes through the mapping from "
+                        "now on are not uploaded", ino)
+            for fh in handles:
+                self.fs.release(fh)
+        self._parked.clear()
+
+    def _released(self, fh: int, entry: tuple[int, int, bool]) -> None:
         ino, backing, writer = entry
         self.table.release(ino, backing)
         if writer:
@@ -485,7 +629,7 @@ class PassthroughFiles:
                 del self._writers[ino]
                 self.fs.space.give_back(self._reserved.pop(ino, 0))
                 self._short.discard(ino)
-        if self.table.mode(ino) == "closed":
+        if self.table.mode(ino) == "closed" and ino not in self._parked:
             self._seen.pop(ino, None)
 
     def _stat(self, ino: int) -> tuple[int, int]:

@@ -32,8 +32,8 @@ def autojump_clock() -> trio.testing.MockClock:
 # The two data paths of a mount (docs/PASSTHROUGH.md, "Tests"): every byte through the
 # daemon, or FUSE passthrough (the kernel serves reads and writes from the staging file).
 # A test marked ``both_modes`` whose mounts come from ``mounter`` (or asks for ``io_mode``)
-# runs once in each; other tests mount as CKPTFS_TEST_PASSTHROUGH says (default: the config's
-# default, off).
+# runs once in each; other tests mount as CKPTFS_TEST_PASSTHROUGH says (unset: the config's
+# default, "auto", i.e. passthrough wherever the build, kernel and root allow, as for users).
 IO_MODES = {"daemon": "off", "passthrough": "on"}
 
 

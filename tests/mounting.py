@@ -21,9 +21,10 @@ from typing import Any
 from ckptfs.mountinfo import find
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
-# CKPTFS_TEST_PASSTHROUGH=on (or auto, off) runs every mount made here with that passthrough
-# mode unless the test chose one (conftest.py ``io_mode``): the whole mount suite in the other
-# mode, by hand (docs/PASSTHROUGH.md, "Tests").
+# CKPTFS_TEST_PASSTHROUGH=off (or on, auto) runs every mount made here with that passthrough
+# mode unless the test chose one (conftest.py ``io_mode``); unset, mounts get the config's
+# default, "auto": passthrough wherever it can run. =off runs the whole mount suite on the
+# daemon-served path, by hand (docs/PASSTHROUGH.md, "Tests").
 PASSTHROUGH = os.environ.get("CKPTFS_TEST_PASSTHROUGH", "")
 
 
@@ -55,6 +56,7 @@ class Mount:
     # A TOML config file (``-c``): its tiers are used as they are unless ``store`` is set.
     config: Path | None = None
     passthrough: str = ""  # "-o passthrough=..." ahead of ``extra``; "": the config decides
+    ready: str = ""        # what the last ``remount`` printed (the success line, a note)
 
     @property
     def pid(self) -> int:
@@ -93,7 +95,7 @@ class Mount:
             args += ["--store", self.store]
         # The tests' stores are fresh temp directories: created at the first mount (a missing
         # store is otherwise an error, tests/test_store_path.py).
-        ckptfs(*args, "--create-store", *self.extra)
+        self.ready = ckptfs(*args, "--create-store", *self.extra).stdout
 
 
 class Mounter:

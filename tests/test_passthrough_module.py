@@ -5,6 +5,7 @@ tests/test_passthrough_build.py)."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +25,11 @@ from ckptfs.passthrough import (
     PassthroughFiles,
     _has_cap_sys_admin,
     _kernel_release,
+    _leases_unusable,
     decide,
+    fallback_note,
     file_info_fields,
+    writers_left,
 )
 from ckptfs.staging import Staging
 
@@ -63,6 +67,7 @@ def test_decide_requests_when_everything_is_there(mode: str) -> None:
     (Facts((6, 18), True, False), "pyfuse3"),
     (Facts((6, 8), True, True), "kernel 6.8"),
     (Facts((6, 18), False, True), "CAP_SYS_ADMIN"),
+    (Facts((6, 18), True, True, leases="Invalid argument"), "file leases"),
 ])
 def test_auto_falls_back_and_on_fails_with_one_reason(facts: Facts, why: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -76,6 +81,34 @@ def test_auto_falls_back_and_on_fails_with_one_reason(facts: Facts, why: str,
 
 def test_off_never_requests() -> None:
     assert not decide("off", READY).request
+
+
+def test_the_mount_says_who_serves_the_data_only_when_auto_fell_back() -> None:
+    no_caps = Facts((6, 18), False, True)
+    note = fallback_note("auto", decide("auto", no_caps))
+    assert note.startswith("the daemon serves reads and writes") and "CAP_SYS_ADMIN" in note
+    assert fallback_note("auto", decide("auto", READY)) == ""
+    assert fallback_note("off", decide("off", READY)) == ""   # the user's choice
+
+
+def test_writers_left_sees_a_mapping_outlive_its_descriptor(tmp_path: Path) -> None:
+    """The kernel's answer ``PassthroughFiles`` relies on: a writable shared mapping keeps
+    its file open for writing after close(2), until munmap; a read-only one does not."""
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 4096)
+    assert _leases_unusable(tmp_path) == ""
+    assert writers_left(path) is False
+    with open(path, "rb") as reader, \
+            mmap.mmap(reader.fileno(), 0, access=mmap.ACCESS_READ):
+        assert writers_left(path) is False       # readers, read-only mappings do not count
+    fd = os.open(path, os.O_RDWR)
+    assert writers_left(path) is True
+    view = mmap.mmap(fd, 4096)                   # dup()s fd: closing both leaves the mapping
+    os.close(fd)
+    assert writers_left(path) is True
+    view.close()
+    assert writers_left(path) is False
+    assert writers_left(tmp_path / "gone") is False
 
 
 def test_kernel_release_and_caps_parsing() -> None:
@@ -191,8 +224,7 @@ async def test_passthrough_write_reaches_the_row_and_the_budget(core: Filesystem
     assert pt.status()["reserved_bytes"] == WRITE_HEADROOM - 5000   # charged to the reserve
     assert core.getattr(row.ino).mtime_ns == os.stat(core.staging.path(row.ino)).st_mtime_ns
     core.flush(fh)
-    core.release(fh)
-    pt.released(fh)
+    pt.release(fh)
     assert core.journal.get(row.ino).size == 5000  # persisted by the core's release
     assert core.space.used == before + 5000        # the reserve's rest given back
     assert pt.table.mode(row.ino) == "closed"
@@ -200,8 +232,7 @@ async def test_passthrough_write_reaches_the_row_and_the_budget(core: Filesystem
     pt.table = BackingTable(None)
     fh = await core.open(row.ino, os.O_RDONLY)
     assert pt.opened(fh, row.ino, os.O_RDONLY, False)["keep_cache"] is False
-    core.release(fh)
-    pt.released(fh)
+    pt.release(fh)
 
 
 MiB = 1 << 20
@@ -230,8 +261,7 @@ def _close(fs: Filesystem, pt: PassthroughFiles, fh: int) -> None:
     if ino is not None:
         pt.refresh(ino)   # what the adapter does before FLUSH and RELEASE
     fs.flush(fh)
-    fs.release(fh)
-    pt.released(fh)
+    pt.release(fh)
 
 
 async def test_remote_files_and_writers_short_of_space_are_daemon_served(
@@ -241,15 +271,15 @@ async def test_remote_files_and_writers_short_of_space_are_daemon_served(
     fh, row = core.create(ROOT_INODE, b"r", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
     core.release(fh)
     row = core.getattr(row.ino)
+    fh = await core.open(row.ino, os.O_RDONLY)
     row.state = State.REMOTE  # known from the store, fetched on demand
-    assert "backing_id" not in pt.opened(999, row.ino, os.O_RDONLY, False)
-    pt.released(999)
+    assert "backing_id" not in pt.opened(fh, row.ino, os.O_RDONLY, False)
     row.state = State.COMMITTED
+    pt.release(fh)
     core.space.max_bytes = core.space.used + pt.write_reserve - 1   # nothing to evict either
     fh = await core.open(row.ino, os.O_RDONLY)
     assert "backing_id" in pt.opened(fh, row.ino, os.O_RDONLY, False)  # readers need no room
-    core.release(fh)
-    pt.released(fh)
+    pt.release(fh)
     used = core.space.used
     fh, _, fields = _open(core, pt, b"w")
     assert "backing_id" not in fields       # the daemon stalls it if need be
@@ -346,6 +376,97 @@ def test_a_write_after_the_last_close_reopens_the_file(core: Filesystem) -> None
     pt.refresh(row.ino)
     assert core.getattr(row.ino).closed_at is None
     assert core.journal.get(row.ino).closed_at is None
-    core.release(fh)
-    pt.released(fh)
+    pt.release(fh)
     assert core.journal.get(row.ino).size == 4
+
+
+# -- a mapping that outlives its descriptor: the release waits (the class docstring)
+
+def _hold_for_writing(fs: Filesystem, ino: int) -> int:
+    """What a shared mapping of a closed O_RDWR passthrough open leaves: the kernel's backing
+    file, open for writing, held by nobody the daemon knows of."""
+    return os.open(fs.staging.path(ino), os.O_RDWR)
+
+
+def test_an_rdwr_writer_is_released_once_nothing_can_write_the_file(core: Filesystem) -> None:
+    pt = _files(core)
+    fh, ino, fields = _open(core, pt, b"mapped", os.O_RDWR)
+    assert fields["backing_id"]
+    mapping = _hold_for_writing(core, ino)
+    try:
+        _close(core, pt, fh)
+        row = core.getattr(ino)
+        assert row.state is State.OPEN           # not staged: the mapping may still write
+        assert pt.status()["mapped_files"] == 1
+        assert pt.table.mode(ino) == "closed"    # the kernel's side is all released
+        pt.poll()
+        assert core.getattr(ino).state is State.OPEN
+        os.pwrite(mapping, b"B" * 10, 0)         # written through the mapping
+    finally:
+        os.close(mapping)                        # munmap
+    pt.poll()
+    row = core.getattr(ino)
+    assert row.state is State.STAGED and row.size == 10
+    assert core.journal.get(ino).size == 10
+    assert pt.status()["mapped_files"] == 0 and not core.is_open(ino)
+
+
+def test_write_only_opens_never_wait_for_mappings(core: Filesystem) -> None:
+    """``O_WRONLY`` (torch.save, DCP) cannot map: its release stages at once, whatever else
+    holds the staging file."""
+    pt = _files(core)
+    fh, ino, fields = _open(core, pt, b"wb", os.O_WRONLY)
+    assert fields["backing_id"]
+    other = _hold_for_writing(core, ino)
+    try:
+        _close(core, pt, fh)
+        assert core.getattr(ino).state is State.STAGED
+        assert pt.status()["mapped_files"] == 0
+    finally:
+        os.close(other)
+
+
+async def test_an_rdwr_writer_closed_before_a_reader_waits_for_the_reader(
+        core: Filesystem) -> None:
+    """A mapping may outlive the O_RDWR open while a reader keeps the inode open (the daemon
+    then holds the staging file open itself and cannot ask): the writer's release waits for
+    the inode's last open, then for the mapping."""
+    pt = _files(core)
+    fh, ino, _ = _open(core, pt, b"r", os.O_RDWR)
+    reader = await core.open(ino, os.O_RDONLY)
+    assert pt.opened(reader, ino, os.O_RDONLY, False)["backing_id"]
+    _close(core, pt, fh)
+    assert core.getattr(ino).state is State.OPEN
+    pt.poll()
+    assert core.getattr(ino).state is State.OPEN   # still open: not asked yet
+    _close(core, pt, reader)
+    assert core.getattr(ino).state is State.STAGED and pt.status()["mapped_files"] == 0
+
+
+async def test_a_mapped_file_opened_again_is_released_after_that_open(
+        core: Filesystem) -> None:
+    pt = _files(core)
+    fh, ino, _ = _open(core, pt, b"again", os.O_RDWR)
+    mapping = _hold_for_writing(core, ino)
+    _close(core, pt, fh)
+    os.close(mapping)
+    fh = await core.open(ino, os.O_RDONLY)        # before the watch looked again
+    assert pt.opened(fh, ino, os.O_RDONLY, False)["backing_id"]
+    pt.poll()
+    assert core.getattr(ino).state is State.OPEN  # an open is left: not asked
+    _close(core, pt, fh)
+    assert core.getattr(ino).state is State.STAGED
+
+
+def test_unmount_stages_what_a_mapping_still_holds(core: Filesystem,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    pt = _files(core)
+    fh, ino, _ = _open(core, pt, b"held", os.O_RDWR)
+    mapping = _hold_for_writing(core, ino)
+    try:
+        _close(core, pt, fh)
+        pt.close()
+        assert core.getattr(ino).state is State.STAGED
+        assert any("still mapped at unmount" in r.getMessage() for r in caplog.records)
+    finally:
+        os.close(mapping)

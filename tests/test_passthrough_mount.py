@@ -1,4 +1,4 @@
-"""ckptfs with ``passthrough = on`` on a real mount (issue 16, docs/PASSTHROUGH.md).
+"""ckptfs with passthrough on a real mount (docs/PASSTHROUGH.md), the default where it can run.
 
 A wholly local file is written and read back by the kernel from its staging file: the daemon
 sees its opens, flushes and releases but no READ or WRITE request, and still learns the size
@@ -21,7 +21,16 @@ from typing import Any
 
 import pytest
 
-from tests.mounting import Mount, Mounter, ckptfs, is_mounted, status, sync, wait_for
+from tests.mounting import (
+    Mount,
+    Mounter,
+    ckptfs,
+    is_mounted,
+    mounter_in,
+    status,
+    sync,
+    wait_for,
+)
 from tests.passthrough_fs import unavailable
 from tests.s3bucket import Bucket, crc
 
@@ -141,7 +150,7 @@ def test_overwrite_and_truncate_keep_the_journal_right(passthrough_ready: None,
 
 
 def test_off_is_the_stock_path(mounter: Mounter) -> None:
-    m = mounter("stock")  # passthrough = off by default
+    m = mounter("stock", extra=["-o", "passthrough=off"])
     (m.path / "f").write_bytes(b"x" * MiB)
     assert (m.path / "f").read_bytes() == b"x" * MiB
     pt = _pt(m)
@@ -149,14 +158,32 @@ def test_off_is_the_stock_path(mounter: Mounter) -> None:
     assert pt["requests"]["write"] > 0 and pt["opens"]["passthrough"] == 0, pt
 
 
-def test_without_the_build_auto_falls_back_and_on_refuses(mounter: Mounter, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_passthrough_is_the_default(passthrough_ready: None, tmp_path: Path) -> None:
+    with mounter_in(tmp_path, passthrough="") as mounter:   # no option: the config's default
+        m = mounter("default")
+        assert len(m.ready.strip().splitlines()) == 1, m.ready   # the success line alone
+        (m.path / "f").write_bytes(b"z" * MiB)
+        assert (m.path / "f").read_bytes() == b"z" * MiB
+        pt = _pt(m)
+        assert pt["active"] is True and pt["requests"] == {"read": 0, "write": 0}, pt
+
+
+def test_without_the_build_the_default_says_the_daemon_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (auto) where passthrough cannot run: the mount works on the daemon path,
+    and its output says so and why, as status does; ``on`` refuses to mount."""
     monkeypatch.setenv("CKPTFS_FUSE_PREFIX", str(tmp_path / "no-build"))  # the daemon inherits it
-    m = mounter("auto", extra=["-o", "passthrough=auto"])
-    pt = _pt(m)
-    assert pt["active"] is False and "no passthrough support" in pt["reason"], pt
-    (m.path / "f").write_bytes(b"y" * MiB)
-    assert (m.path / "f").read_bytes() == b"y" * MiB
+    with mounter_in(tmp_path, passthrough="") as mounter:
+        m = mounter("auto")
+        lines = m.ready.strip().splitlines()
+        assert len(lines) == 2 and "ready" in lines[0], m.ready
+        assert lines[1].startswith("ckptfs: the daemon serves reads and writes (no FUSE "
+                                   "passthrough: the pyfuse3 found has no passthrough"), m.ready
+        pt = _pt(m)
+        assert pt["active"] is False and "no passthrough support" in pt["reason"], pt
+        (m.path / "f").write_bytes(b"y" * MiB)
+        assert (m.path / "f").read_bytes() == b"y" * MiB
+        assert _pt(m)["requests"]["write"] > 0
 
     mnt = tmp_path / "on" / "mnt"
     mnt.mkdir(parents=True)

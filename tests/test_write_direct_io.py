@@ -3,7 +3,8 @@
 The core decides per open (write-only and the key on); the adapter passes the decision to the
 kernel; a real mount shows that readers on other descriptors, cached reads and read-only
 mmaps included, see every direct write at once, and that appends and sparse writes land where
-they should. Every mount test runs with the key on and off, so both paths stay correct.
+they should. Every mount test runs with the key on and off, so both paths stay correct, and
+with ``passthrough = off``: the key applies only to opens the daemon serves.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ async def test_only_write_only_opens_are_direct(tmp_path: Path, direct: bool) ->
 @pytest.mark.mount
 @pytest.mark.parametrize("direct", ["true", "false"])
 def test_readers_see_direct_writes_at_once(mounter: Mounter, direct: str) -> None:
-    m = mounter(extra=["-o", f"write_direct_io={direct}"])
+    m = mounter(extra=["-o", "passthrough=off", "-o", f"write_direct_io={direct}"])
     path = m.path / "f"
     path.write_bytes(b"A" * 3 * mmap.PAGESIZE)
     reader = os.open(path, os.O_RDONLY)
@@ -105,7 +106,7 @@ def test_readers_see_direct_writes_at_once(mounter: Mounter, direct: str) -> Non
 def test_unaligned_writes_and_shared_mmap_alongside(mounter: Mounter, direct: str) -> None:
     """Random unaligned writes through a write-only descriptor, mixed with a shared writable
     mmap of the same file (whose dirty pages the kernel writes back before a direct write)."""
-    m = mounter(extra=["-o", f"write_direct_io={direct}"])
+    m = mounter(extra=["-o", "passthrough=off", "-o", f"write_direct_io={direct}"])
     path = m.path / "g"
     size = 256 * 1024
     rng = random.Random(7)
