@@ -74,6 +74,13 @@ before the barrier.
 Markers do not wait for other nodes' markers (an ack does not wait for the node's own
 markers): two nodes each holding a marker would otherwise wait for each other forever.
 
+**Full barriers** (``FULL``) are a sweep's (upload.py ``_sweep``: a directory renamed or
+removed, whose keys every node's files closed in it must reach first). Their acks wait for
+the acking node's markers too (one node's own marker in another's renamed tmp dir), but not
+for markers queued after a sweep of the acking node's own (they wait for that sweep, which
+waits for this node's ack in turn), nor for moves that wait for a sweep: a marker waits only
+for plain barriers, whose acks wait only for files, so no ack ever waits for itself.
+
 Store requests per node: one GET of the epoch per poll (``node_poll_interval`` while there is
 work or a recent barrier, ``node_idle_poll_interval`` when idle); per barrier, one LIST of the
 barriers, one GET of its own registration (a forgotten live node registers again) and one PUT

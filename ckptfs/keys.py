@@ -95,6 +95,11 @@ renames, the first move failing once so that one move is left whose source is in
 covered: another node writing ``d/`` while this node moves a file away from ``d`` (claims are
 per node; the cross-node order is that of markers and sweeps, upload.py).
 
+Directory renames and removals (upload.py ``_sweep``): no move out of a renamed directory's
+old prefix, and no upload, put or move into a renamed or removed directory's old prefix,
+starts before its sweep has run (after a barrier): the sweep moves or deletes everything
+there, this node's files and other nodes' alike, and claims each new key while it copies.
+
 Invariants: claims live in memory only; after a restart the journal (``uploading_key``,
 tombstones, ``remote_key``) is the whole truth, and ``Uploader.requeue_from_journal`` rebuilds
 the work from it. A parking key is journalled as ``uploading_key`` before the copy starts and

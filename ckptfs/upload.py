@@ -29,6 +29,10 @@ Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
   waits for every item in flight beneath it, and nothing starts beneath a directory being
   deleted (keys.py, rule 5), since on a file tier a put beneath a deleted directory would
   make it again, after its tombstone is gone.
+- A directory renamed or removed is carried by a *sweep* (``_sweep``), ordered as a marker
+  and after a barrier that also counts the other nodes' markers: nothing moves out of its
+  old prefix, nor goes under it, before the sweep ran; the sweep moves (or deletes)
+  everything there, with a record for each other node's version (peers.py).
 - Who may touch a key, and when, is keys.py's (``KeyClaims``): two items never work on the
   same remote key at once (a move claims its source and its target), a copy to a key waits
   for the file that still has to move away from it, a ring of such moves is broken by

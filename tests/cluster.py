@@ -150,8 +150,10 @@ async def run_node(
             async with trio.open_nursery() as nursery:
                 await nursery.start(uploader.run)
                 await nursery.start(coordinator.run)
-                assert fs.fetcher is not None
+                assert fs.fetcher is not None and fs.lister is not None
                 fs.fetcher.nursery = nursery
+                # As mount.py: what other nodes did to this node's files (peers.py).
+                nursery.start_soon(fs.lister.run_records)
                 started = Node(coordinator.node, fs, tier, uploader, coordinator, scope,
                                trio.Event(), stopped)
                 task_status.started(started)

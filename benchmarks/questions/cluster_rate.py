@@ -6,9 +6,12 @@ trio MockClock that jumps as soon as every task waits), as tests/test_cluster_si
 No kills: the nodes start, stay idle for --idle virtual seconds (only the coordinators' polls),
 then save once: every node writes a shard of --shard bytes (its store link limited to --bw
 bytes/s), node 0 writes the commit marker ``.metadata`` after all, and the clock runs until the
-marker is in the store. Prints one JSON object: the requests per node per virtual second, idle
-and during the save (and the coordination share), by operation, and the wall seconds each
-phase took here.
+marker is in the store. Then a rotation: a second save, and node 0 removes the first checkpoint
+(``rm -r``: every node's shard, each node still holding its copy); the clock runs until the
+store has none of it left and every node has read and acted on the records of its shard's
+deletion (peers.py: none is left). Prints one JSON object: the requests per node per virtual
+second, idle, during the save (and the coordination share) and during the rotation, by
+operation, and the wall seconds each phase took here.
 
 Run by questions/q8_responsiveness.py as a child with PYTHONPATH holding the ckptfs checkout
 (for ``ckptfs`` and ``tests.cluster``).
@@ -31,9 +34,37 @@ from typing import Any
 import trio
 import trio.testing
 
+from ckptfs.fs import Filesystem
+from ckptfs.journal import ROOT_INODE
+from ckptfs.peers import FATES
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier, store_named
 from tests.cluster import Node, run_node
+
+
+async def save(nodes: list[Node], objects: dict[str, Any], step: int, shard: int,
+               rng: random.Random) -> None:
+    """Every node writes its shard of ``step_<step>``, node 0 the marker after them; returns
+    once the marker is in the store."""
+    async with trio.open_nursery() as ranks:
+        for i, nd in enumerate(nodes):
+            ranks.start_soon(nd.write, f"step_{step}/__{i}_0.distcp", rng.randbytes(shard))
+    marker = f"step_{step}/.metadata"
+    await nodes[0].write(marker, f"metadata of step_{step}".encode())
+    with trio.fail_after(7200):
+        while marker not in objects:
+            await trio.sleep(0.5)
+
+
+async def remove(fs: Filesystem, name: str) -> None:
+    """``rm -r name`` (a top-level directory) on a node, as it sees the store."""
+    assert fs.lister is not None
+    top = await fs.lookup(ROOT_INODE, name.encode())
+    await fs.lister.refresh_tree(top, current=True)
+    for child in list(fs.ns.children(top.ino, 0)):
+        assert child.name is not None
+        await fs.unlink(top.ino, child.name)
+    await fs.rmdir(ROOT_INODE, name.encode())
 
 
 async def simulate(n: int, idle: float, shard: int, bw: float, root: Path) -> dict[str, Any]:
@@ -70,14 +101,7 @@ async def simulate(n: int, idle: float, shard: int, bw: float, root: Path) -> di
         wall["idle"] = time.perf_counter() - w0
 
         w0, before, t0 = time.perf_counter(), ops(), trio.current_time()
-        async with trio.open_nursery() as ranks:
-            for i, nd in enumerate(nodes):
-                ranks.start_soon(nd.write, f"step_1/__{i}_0.distcp", rng.randbytes(shard))
-        marker = "step_1/.metadata"
-        await nodes[0].write(marker, b"metadata of step_1")
-        with trio.fail_after(7200):
-            while marker not in objects:
-                await trio.sleep(0.5)
+        await save(nodes, objects, 1, shard, rng)
         took = trio.current_time() - t0
         during = ops() - before
         out["save_virtual_s"] = took
@@ -86,6 +110,21 @@ async def simulate(n: int, idle: float, shard: int, bw: float, root: Path) -> di
             v for op, v in during.items() if op in ("put_small", "get_small")) / n / took
         out["save_by_op"] = dict(during)
         wall["save"] = time.perf_counter() - w0
+
+        await save(nodes, objects, 2, shard, rng)
+        w0, before, t0 = time.perf_counter(), ops(), trio.current_time()
+        await remove(nodes[0].fs, "step_1")
+        with trio.fail_after(7200):
+            while any(k.startswith(("step_1", FATES)) for k in objects):
+                await trio.sleep(0.5)
+        took = trio.current_time() - t0
+        during = ops() - before
+        out["rotation_virtual_s"] = took
+        out["rotation_per_node_s"] = sum(during.values()) / n / took
+        out["rotation_by_op"] = dict(during)
+        out["records_written"] = sum(nd.fs.peers.records_written for nd in nodes
+                                     if nd.fs.peers is not None)
+        wall["rotation"] = time.perf_counter() - w0
 
         w0 = time.perf_counter()
         async with trio.open_nursery() as stops:
