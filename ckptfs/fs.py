@@ -70,6 +70,7 @@ from ckptfs.noderun import boot_id, page_cache_lost
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.storetrust import is_special
 from ckptfs.tiers.base import ARCHIVE_CLASSES, ObjectArchived
+from ckptfs.yieldgate import YieldGate
 
 if TYPE_CHECKING:
     from ckptfs.tiers.base import Tier
@@ -243,6 +244,7 @@ class Filesystem:
         self.staging = staging
         self.ns = Namespace(journal, on_drop=self._drop_data)
         self._handles: dict[int, Handle] = {}
+        self.gate = YieldGate.disabled()  # told of every handle: uploads yield to the job
         self._next_fh = 1
         self._writers: dict[int, int] = {}
         # The read path: without a tier (unit tests of the write path) every file is local.
@@ -898,6 +900,7 @@ class Filesystem:
         self._handles[fh] = Handle(row.ino, fd, writable, direct,
                                    caller if writable and caller.uid != 0 else None)
         self.ns.pin(row.ino)
+        self.gate.opened()
         return fh
 
     def direct_io(self, fh: int) -> bool:
@@ -1480,6 +1483,7 @@ class Filesystem:
         handle = self._handles.pop(fh, None)
         if handle is None:
             raise BadHandle(f"file handle {fh}")
+        self.gate.closed()
         row = self.ns.get(handle.ino)
         if handle.writable:
             self._end_write(row)

@@ -51,6 +51,7 @@ from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier, TierError
 from ckptfs.upload import Uploader
+from ckptfs.yieldgate import YieldGate
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +230,11 @@ async def serve(
         )
         fs.start()
         fs.mountpoint = str(mountpoint)
+        fs.gate = YieldGate(config.upload_settle.total_seconds(),
+                            config.upload_hold_max.total_seconds())
         uploader = Uploader(journal, fs.ns, staging, tier,
                             concurrency=config.upload_concurrency, markers=config.commit_markers,
-                            keys=fs.keys)
+                            keys=fs.keys, gate=fs.gate)
         fs.listener = uploader
         uploader.requeue_from_journal()
         node = node_id(staging.root, config.node_id)

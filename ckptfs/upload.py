@@ -70,6 +70,7 @@ from ckptfs.peers import MoveRecorder
 from ckptfs.staging import Staging
 from ckptfs.tiers.base import Kind, NotEmptyYet, ObjectMeta, ObjectMissing, Tier
 from ckptfs.workqueue import WorkQueue
+from ckptfs.yieldgate import YieldGate
 
 if TYPE_CHECKING:
     from ckptfs.coordination import Coordinator
@@ -147,6 +148,7 @@ class Uploader:
         self, journal: Journal, ns: Namespace, staging: Staging, tier: Tier, *,
         concurrency: int, markers: Iterable[str], clock: Callable[[], float] = trio.current_time,
         min_block: int = MIN_BLOCK, keys: KeyClaims | None = None,
+        gate: YieldGate | None = None,
     ) -> None:
         self.journal = journal
         self.min_block = min_block  # the smallest integrity block (integrity.py)
@@ -180,6 +182,9 @@ class Uploader:
         # Set when other nodes may write to the same store (coordination.py): markers then
         # also wait for every node's files closed before them.
         self.coordinator: Coordinator | None = None
+        # Items start only when the job lets them (yieldgate.py); sync and hurry open it.
+        self.gate = gate if gate is not None else YieldGate.disabled()
+        self.gate.on_change(self._wake)
 
     # -- hooks from the filesystem core (trio thread, never block) -------------------------
 
@@ -223,6 +228,7 @@ class Uploader:
         """A writer waits for space, or ``ckptfs sync`` waits: retry failed items (and probe a
         store taken as down) soon, whatever their backoff says."""
         limit = self._clock() + HURRY_DELAY
+        self.gate.bypass_for(2 * HURRY_DELAY)  # writers waiting for space hurry every second
         self._probe_at = min(self._probe_at, limit)
         for work in self._pending.values():
             if work.not_before > limit:
@@ -381,8 +387,9 @@ class Uploader:
 
     async def wait_until_done(self, upto_seq: int) -> None:
         """Return once every item numbered ``upto_seq`` or less has finished."""
-        while self._floor() <= upto_seq:
-            await self._changed.wait()
+        with self.gate.bypassed():  # someone waits for the store: no yielding to the job
+            while self._floor() <= upto_seq:
+                await self._changed.wait()
 
     async def wait_progress(self) -> None:
         """Return after the next item finishes (a writer waiting for space tries again)."""
@@ -585,7 +592,9 @@ class Uploader:
     async def _next(self) -> Work:
         while True:
             changed = self._changed
-            work, wake_at = self._pick(self._clock())
+            now = self._clock()
+            opens = self.gate.opens_at(now) if self._pending else now
+            work, wake_at = self._pick(now) if opens <= now else (None, opens)
             if work is not None:
                 # In flight before the next checkpoint: no other worker can take it.
                 self._inflight[work.key] = work
