@@ -49,7 +49,12 @@ class YieldGate:
         self._stretch_since: float | None = None  # the busy stretch under way, if any
         self._bypassing = 0
         self._bypass_until = -math.inf
-        self._wake: list[Callable[[], None]] = []
+        # Workers held by the gate wait on this (``wait``), not on the uploader's own wake-ups:
+        # a create burst queues a file per create, and each would wake every worker only to
+        # find the gate still closed. It is set when the gate may open earlier than the time
+        # it last gave out (``_promised``): the first close of a stretch, a bypass.
+        self._event = trio.Event()
+        self._promised = math.inf
         self.held_s = 0.0  # seconds the gate was closed with work waiting (status, tests)
         self._held_from: float | None = None
 
@@ -60,10 +65,6 @@ class YieldGate:
     @property
     def enabled(self) -> bool:
         return self.hold_max > 0
-
-    def on_change(self, wake: Callable[[], None]) -> None:
-        """``wake`` is called whenever the gate may have opened (the uploader's wake-up)."""
-        self._wake.append(wake)
 
     # -- the job (fs.py) ------------------------------------------------------------------
 
@@ -84,7 +85,8 @@ class YieldGate:
         self._open -= 1
         if self._open == 0:
             self._quiet_since = self._clock()
-            self._changed()  # the settle starts: waiting workers look again at its end
+            if self._quiet_since + self.settle < self._promised:
+                self._changed()  # the settle starts: held workers look again at its end
 
     # -- the uploader ---------------------------------------------------------------------
 
@@ -102,9 +104,20 @@ class YieldGate:
             return self._open_now(now)
         if self._held_from is None:
             self._held_from = now
+        if now >= self._promised:
+            self._promised = math.inf  # whoever was told that time is awake now
+        self._promised = min(self._promised, settled_at, forced_at)
         return min(settled_at, forced_at)
 
+    async def wait(self, until: float) -> None:
+        """Hold a worker until ``until`` (what ``opens_at`` said) or until the gate may open
+        sooner: then it asks ``opens_at`` again."""
+        event = self._event
+        with trio.move_on_at(until):
+            await event.wait()
+
     def _open_now(self, now: float) -> float:
+        self._promised = math.inf
         if self._held_from is not None:
             self.held_s += now - self._held_from
             self._held_from = None
@@ -134,5 +147,6 @@ class YieldGate:
                                    else 0.0), 3)}
 
     def _changed(self) -> None:
-        for wake in self._wake:
-            wake()
+        self._promised = math.inf  # every held worker wakes and asks again
+        self._event.set()
+        self._event = trio.Event()

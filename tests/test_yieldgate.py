@@ -135,19 +135,24 @@ async def test_commit_markers_keep_their_order_behind_the_gate(gated: Rig, autoj
 def test_the_rules_on_a_clock() -> None:
     now = [100.0]
     gate = YieldGate(1.0, 10.0, clock=lambda: now[0])
-    woken: list[float] = []
-    gate.on_change(lambda: woken.append(now[0]))
     assert gate.opens_at(now[0]) == now[0]  # nothing open: open
     gate.opened()
     assert gate.opens_at(now[0]) == 110.0  # the bound; a close wakes the uploader before
+    event = gate._event
     gate.opened()
     gate.closed()
-    assert not woken  # one file still open
+    assert not event.is_set()  # one file still open
     now[0] = 103.0
     gate.closed()
-    assert woken == [103.0]
+    assert event.is_set()  # held workers look again: the gate opens before the bound now
     assert gate.opens_at(now[0]) == 104.0  # the settle
+    event = gate._event
+    gate.opened()
     now[0] = 103.5
+    gate.closed()
+    assert not event.is_set()  # later than the settle they wait for: no need to wake them
+    now[0] = 104.0
+    assert gate.opens_at(now[0]) == 104.5  # they wake at 104 and wait on
     gate.opened()  # within the settle: the same stretch (the bound still counts from 100)
     now[0] = 109.0
     assert gate.opens_at(now[0]) == 110.0
