@@ -812,6 +812,10 @@ def status(
                 f"5 min ({loop['longest_stall_s'] * 1000:.0f} ms since the mount, "
                 f"{loop['stalls']} over 100 ms); {loop['gc_full_collections']} full garbage "
                 f"collections, longest {loop['gc_longest_s'] * 1000:.0f} ms"))
+        held = r.get("upload_yield")
+        if held and held["holding"]:
+            table.add_row("uploads", f"yield to the job: {held['open_files']} files open on "
+                          f"the mount (at most upload_hold_max; 'ckptfs sync' does not wait)")
         outage = r.get("store_outage")
         if outage:
             table.add_row("store", f"down for {outage['down_for_s']:.0f}s "

@@ -380,6 +380,7 @@ class ControlServer:
                 "metrics_port": self.config.metrics_port,
             },
             "store_outage": self.uploader.outage(),
+            "upload_yield": self.uploader.gate.status(),
             "failed": [{"item": self._describe(w.key), "error": w.error,
                         "attempts": w.attempts,
                         "retry_in_s": round(max(0.0, w.not_before - trio.current_time()), 1)}

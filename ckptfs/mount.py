@@ -50,6 +50,7 @@ from ckptfs.retention import Retention, upload_progress
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier, TierError
+from ckptfs.tiers.transfer import unwrap
 from ckptfs.upload import Uploader
 from ckptfs.yieldgate import YieldGate
 
@@ -232,6 +233,7 @@ async def serve(
         fs.mountpoint = str(mountpoint)
         fs.gate = YieldGate(config.upload_settle.total_seconds(),
                             config.upload_hold_max.total_seconds())
+        unwrap(tier).pace = fs.gate.wait_open  # parts of an upload in flight wait too
         uploader = Uploader(journal, fs.ns, staging, tier,
                             concurrency=config.upload_concurrency, markers=config.commit_markers,
                             keys=fs.keys, gate=fs.gate)

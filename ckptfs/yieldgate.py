@@ -17,8 +17,9 @@ this gate before it starts an item (``opens_at``):
   of staging space (``hurry``) open the gate while they wait (``bypassed``,
   ``bypass_for``): what they wait for must not sit behind the job they are part of.
 
-Only the *start* of an item is gated: an upload in flight when the job opens a file goes
-on. The gate never reorders anything (commit markers still follow the files before them:
+Transfers in flight are paced too: a put asks ``wait_open`` before each part (S3) or chunk
+(file tier) it sends, so an upload under way when a burst begins pauses after the part in
+flight. The gate never reorders anything (commit markers still follow the files before them:
 upload.py) and never drops work; at worst it delays a start by ``hold_max``. The time from
 the last close of a checkpoint to its upload starting grows by ``settle``.
 
@@ -108,6 +109,12 @@ class YieldGate:
             self._promised = math.inf  # whoever was told that time is awake now
         self._promised = min(self._promised, settled_at, forced_at)
         return min(settled_at, forced_at)
+
+    async def wait_open(self) -> None:
+        """Return once an item may start: a transfer in flight asks between its parts (the
+        tiers' ``pace``), so a burst that begins during an upload pauses it too."""
+        while (opens := self.opens_at(now := self._clock())) > now:
+            await self.wait(opens)
 
     async def wait(self, until: float) -> None:
         """Hold a worker until ``until`` (what ``opens_at`` said) or until the gate may open

@@ -4,6 +4,7 @@ with trio's autojump clock (so a wait of 30 s costs nothing and times are exact)
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,11 +12,17 @@ import pytest
 import trio
 
 from ckptfs.fs import ROOT_CALLER
+from ckptfs.integrity import file_sums
 from ckptfs.journal import ROOT_INODE, State
+from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
+from ckptfs.tiers.local import CHUNK, FileTier
 from ckptfs.tiers.memory import MemoryTier
+from ckptfs.tiers.s3 import S3Tier
 from ckptfs.yieldgate import YieldGate
+from tests.mounting import Mounter, ckptfs, status, tiers_config
 from tests.test_upload import RecordingTier, Rig, open_rig
 
+MiB = 1024 * 1024
 SETTLE = 0.25
 HOLD_MAX = 30.0
 
@@ -181,3 +188,69 @@ def test_disabled_gate_is_always_open() -> None:
     gate.opened()
     assert gate.opens_at(5.0) == 5.0 and not gate.enabled
     assert YieldGate(0.25, 0.0).opens_at(1.0) == 1.0
+
+
+def test_a_mount_holds_uploads_for_the_job_and_sync_does_not_wait(
+        tmp_path: Path, mounter: Mounter) -> None:
+    """On a real mount: a file closed while another is open waits for it (status says why,
+    the file reads staged), ``ckptfs sync`` does not wait for the job, and the file left open
+    goes up once it is closed."""
+    store = tmp_path / "store"
+    store.mkdir()
+    m = mounter(config=tiers_config(tmp_path / "c.toml", store.as_uri()))
+    with open(m.path / "train.log", "wb") as log:
+        log.write(b"step 1\n")
+        (m.path / "model.pt").write_bytes(b"m" * 4096)
+        deadline = time.monotonic() + 30
+        while not (held := status(m)["upload_yield"])["holding"]:
+            assert time.monotonic() < deadline, held
+            time.sleep(0.05)
+        assert held["open_files"] == 1 and held["enabled"], held
+        assert os.getxattr(m.path / "model.pt", "user.ckptfs.state") == b"staged"
+        assert "yield to the job" in ckptfs("status", m.path).stdout
+        t0 = time.monotonic()
+        ckptfs("sync", m.path)
+        assert time.monotonic() - t0 < 20  # not upload_hold_max (30 s) after the open
+        assert (store / "model.pt").read_bytes() == b"m" * 4096
+        log.write(b"step 2\n")
+    ckptfs("sync", m.path)
+    assert (store / "train.log").read_bytes() == b"step 1\nstep 2\n"
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+async def test_a_put_in_flight_waits_for_the_gate_between_parts(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A burst that begins while an upload is under way pauses it after the part (S3) or
+    chunk (file tier) in flight: the tier awaits its ``pace`` before each one."""
+    size = 12 * MiB + 5 if kind == "s3" else CHUNK + 5  # 3 parts of 5 MiB; 2 chunks
+    src = tmp_path / "src"
+    data = os.urandom(size)
+    src.write_bytes(data)
+    tier: Tier
+    if kind == "s3":
+        seaweed = request.getfixturevalue("seaweed")
+        tier = S3Tier("warm", f"s3://{seaweed.new_bucket()}/p", endpoint_url=seaweed.endpoint,
+                      part_size=5 * MiB, **seaweed.tier_credentials)
+    else:
+        tier = FileTier("warm", (tmp_path / "store").as_uri(), tmp_path / "store")
+        (tmp_path / "store").mkdir()
+    paced, job_done = [], trio.Event()
+
+    async def pace() -> None:
+        paced.append(trio.current_time())
+        await job_done.wait()  # the job is busy until the test says
+
+    tier.pace = pace
+    checksum, sums = file_sums(src, size)
+    meta = ObjectMeta(Kind.FILE, 0o644, 1, 0, 0, checksum, blocks=sums.encode())
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.put_file, "k", src, size, meta)
+            while len(paced) < (1 if kind == "file" else 3):
+                await trio.sleep(0.01)
+            with pytest.raises(ObjectMissing):
+                await tier.head("k")  # nothing sent past the gate
+            job_done.set()
+    assert len(paced) == (3 if kind == "s3" else 2)
+    assert (await tier.head("k")).size == size
+    await tier.aclose()

@@ -221,6 +221,8 @@ class FileTier(Tier):
                 try:
                     done = 0
                     while done < size:
+                        if self.pace is not None:
+                            await self.pace()  # the job is busy: the next chunk waits for it
                         n = await self._run(_copy_chunk, src_fd, dst_fd, done,
                                             min(CHUNK, size - done))
                         if n == 0:

@@ -343,6 +343,8 @@ class S3Tier(Tier):
         async def part(number: int, cancel: trio.CancelScope) -> None:
             try:
                 async with slots:
+                    if self.pace is not None:
+                        await self.pace()  # the job is busy: the next part waits for it
                     etags[number - 1] = await self._call(send, number)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the abort
                 # The first failure is the upload's, as itself: in an exception group a
