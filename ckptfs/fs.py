@@ -1114,7 +1114,9 @@ class Filesystem:
                 if trio.current_time() - hurried >= HURRY_EVERY:
                     hurried = trio.current_time()
                     self.listener.hurry()
-                with trio.move_on_at(deadline):
+                # Back within HURRY_EVERY to hurry again: a hurry also opens the uploads' yield
+                # gate for a while only, and this writer's open file would close it again.
+                with trio.move_on_at(min(deadline, hurried + HURRY_EVERY)):
                     await self._room_may_come()
         finally:
             self.stall_seconds += trio.current_time() - started

@@ -14,7 +14,8 @@ import trio
 from ckptfs.fs import ROOT_CALLER
 from ckptfs.integrity import file_sums
 from ckptfs.journal import ROOT_INODE, State
-from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Tier
+from ckptfs.staging import SpaceBudget
+from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Progress, Tier
 from ckptfs.tiers.local import CHUNK, FileTier
 from ckptfs.tiers.memory import MemoryTier
 from ckptfs.tiers.s3 import S3Tier
@@ -254,3 +255,38 @@ async def test_a_put_in_flight_waits_for_the_gate_between_parts(
     assert len(paced) == (3 if kind == "s3" else 2)
     assert (await tier.head("k")).size == size
     await tier.aclose()
+
+
+class PacedTier(RecordingTier):
+    """Sends each file in 8 parts of 0.5 s, asking its ``pace`` before each (as S3 does)."""
+
+    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
+                       progress: Progress | None = None) -> str | None:
+        for _ in range(8):  # longer than a hurry keeps the gate open
+            if self.pace is not None:
+                await self.pace()
+            await trio.sleep(0.5)
+        return await super().put_file(key, source, size, meta, progress)
+
+
+async def test_a_writer_short_of_space_keeps_the_gate_open(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    """A writer waiting for staging space holds its file open, which closes the gate; the
+    upload that would free the space must not wait for that writer (it re-hurries, and each
+    hurry opens the gate), or it would stall until upload_hold_max."""
+    inner = MemoryTier("warm", "memory://t", f"t-space-{id(tmp_path)}")
+    inner.objects.clear()
+    gate = YieldGate(SETTLE, HOLD_MAX)
+    tier = PacedTier(inner)
+    tier.pace = gate.wait_open
+    async with open_rig(tmp_path, tier, inner, gate=gate) as rig:
+        rig.fs.space = SpaceBudget(rig.fs.staging, 3 * MiB, 0.0)
+        await rig.write("a.pt", b"a" * (2 * MiB))
+        await trio.sleep(SETTLE + 0.6)  # a.pt's upload is under way: its first part is sent
+        t0 = trio.current_time()
+        fh = open_writer(rig, b"b.pt")
+        await rig.fs.write(fh, 0, b"b" * (2 * MiB))  # room only once a.pt is committed
+        assert trio.current_time() - t0 < 8, "the writer waited for upload_hold_max"
+        rig.fs.release(fh)
+        await rig.settle()
+        assert rig.files() == {"a.pt": b"a" * (2 * MiB), "b.pt": b"b" * (2 * MiB)}
