@@ -20,8 +20,9 @@ this gate before it starts an item (``opens_at``):
 Transfers in flight are paced too: a put asks ``wait_open`` before each part (S3) or chunk
 (file tier) it sends, so an upload under way when a burst begins pauses after the part in
 flight. The gate never reorders anything (commit markers still follow the files before them:
-upload.py) and never drops work; at worst it delays a start by ``hold_max``. The time from
-the last close of a checkpoint to its upload starting grows by ``settle``.
+upload.py) and never drops work; at worst it delays a start, or an upload's next part, by
+``hold_max``. The time from the last close of a checkpoint to its upload starting grows by
+``settle``.
 
 ``hold_max = 0`` disables the gate (always open). Everything runs on the trio thread; the
 clock is the uploader's (trio's, so tests use the autojump clock).
