@@ -26,6 +26,9 @@ markdown table of figures and ratios and writes to --out (default benchmarks/res
   Q8 responsiveness at scale: create/stat/unlink rates vs a plain dir, sync/status latency,
      remount time and the longest answer to a probe at 1k/10k/100k files, during a 1 GiB
      fsync; store requests per node in a simulated cluster    (questions/q8_responsiveness.py)
+  Q9 the upload beside the job: a burst on tmpfs with uploads running (yield gate on / off),
+     the time to the store, stage 2 on S3 from the last close vs boto3
+                                                               (questions/q9_beside_the_job.py)
 
 Benchmarks print figures; they never assert them. ``--quick`` is a smoke mode that CI runs so
 that the scripts do not rot (tiny sizes, one round, each question's code run once but not every
@@ -69,6 +72,7 @@ QUESTIONS = {
     "q6": "questions.q6_data_path",
     "q7": "questions.q7_restore",
     "q8": "questions.q8_responsiveness",
+    "q9": "questions.q9_beside_the_job",
 }
 
 
@@ -97,12 +101,13 @@ QUICK: dict[str, Any] = {
     "q7_mib": 16, "q7_files": 2, "q7_reps": 1, "q7_restore_reps": 1,
     "q8_files": [200], "q8_batch": 50, "q8_fsync_mib": 16, "q8_sim_nodes": [4],
     "q8_sim_idle": 30.0,
+    "q9_mib": 8, "q9_ranks": 2, "q9_torch_mib": 16, "q9_reps": 1,
 }
 
 
 # --quick runs this many questions at once, the longest first (see main).
 QUICK_CONCURRENCY = 3
-QUICK_FIRST = ("q7", "q6", "q3", "q4", "q8", "q2", "q1", "q5")
+QUICK_FIRST = ("q7", "q6", "q3", "q4", "q9", "q8", "q2", "q1", "q5")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -195,6 +200,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Q8 simulated cluster sizes, nodes [64,256,1000]")
     g.add_argument("--q8-sim-idle", type=float,
                    help="Q8 virtual seconds of idleness measured per cluster [600]")
+    g.add_argument("--q9-mib", type=int, help="Q9 MiB per rank (burst and S3) [256]")
+    g.add_argument("--q9-ranks", type=int, help="Q9 ranks writing at once [4]")
+    g.add_argument("--q9-torch-mib", type=int, help="Q9 torch.save state dict [1024]")
+    g.add_argument("--q9-reps", type=int, help="Q9 rounds, order rotating [3]")
+    p.add_argument("--q9-parts", type=str_list, default=["burst", "s3"],
+                   help="Q9 parts: burst (tmpfs, uploads running), s3 (stage 2 vs boto3)")
     p.add_argument("--q8-sim-timeout", type=float, default=900.0,
                    help="Q8: wall seconds one simulated cluster may take; larger ones are "
                         "skipped after one runs over")
@@ -212,7 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "q6_disk_mib": 256, "q6_torch_mib": 1024, "q6_fault_mib": 1024, "q6_repeat": 3,
             "q7_mib": 2048, "q7_files": 4, "q7_reps": 3, "q7_restore_reps": 3,
             "q8_files": [1000, 10000, 100000], "q8_batch": 1000, "q8_fsync_mib": 1024,
-            "q8_sim_nodes": [64, 256, 1000], "q8_sim_idle": 600.0}
+            "q8_sim_nodes": [64, 256, 1000], "q8_sim_idle": 600.0,
+            "q9_mib": 256, "q9_ranks": 4, "q9_torch_mib": 1024, "q9_reps": 3}
     for key, value in (QUICK if a.quick else full).items():
         if getattr(a, key) is None:
             setattr(a, key, value)

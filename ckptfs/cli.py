@@ -951,6 +951,11 @@ def _status_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             f"5 min ({loop['longest_stall_s'] * 1000:.0f} ms since the mount, "
             f"{loop['stalls']} over 100 ms); {loop['gc_full_collections']} full garbage "
             f"collections, longest {loop['gc_longest_s'] * 1000:.0f} ms")))
+    held = r.get("upload_yield")
+    if held and held["holding"]:
+        rows.append(("uploads", (f"yield to the job: {count(held['open_files'], 'file')} "
+                                 "open on the mount (at most upload_hold_max; 'ckptfs sync' "
+                                 "does not wait)")))
     outage = r.get("store_outage")
     if outage:
         rows.append(("store", (f"down for {outage['down_for_s']:.0f}s "

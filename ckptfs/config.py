@@ -267,6 +267,10 @@ class Config(_Strict):
     unlink: Literal["posix", "local-only"] = "posix"
     commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
     upload_concurrency: int = Field(default=4, ge=1, le=256)
+    # Uploads yield to the job (yieldgate.py): none starts while a file of the mount is open
+    # or for upload_settle after the last close, for at most upload_hold_max (0: never wait).
+    upload_settle: Duration = timedelta(milliseconds=250)
+    upload_hold_max: Duration = timedelta(seconds=30)
     # Nodes that mount one store keep its commit order together (coordination.py): this
     # node's id (default: made once per staging directory), and how often it polls the store
     # while it has work, and when idle.

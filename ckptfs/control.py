@@ -388,6 +388,7 @@ class ControlServer:
                 "metrics_port": self.config.metrics_port,
             },
             "store_outage": outage,
+            "upload_yield": self.uploader.gate.status(),
             "failed": [{"item": self._describe(w.key), "error": w.error,
                         "attempts": w.attempts, "retry_in_s": self._retry_in(w, outage)}
                        for w in failed[:FAILED_LISTED]],

@@ -71,6 +71,7 @@ from ckptfs.peers import Peers
 from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.storetrust import is_special
 from ckptfs.tiers.base import ARCHIVE_CLASSES, ObjectArchived
+from ckptfs.yieldgate import YieldGate
 
 if TYPE_CHECKING:
     from ckptfs.tiers.base import Tier
@@ -244,6 +245,7 @@ class Filesystem:
         self.staging = staging
         self.ns = Namespace(journal, on_drop=self._drop_data)
         self._handles: dict[int, Handle] = {}
+        self.gate = YieldGate.disabled()  # told of every handle: uploads yield to the job
         self._next_fh = 1
         self._writers: dict[int, int] = {}
         # The read path: without a tier (unit tests of the write path) every file is local.
@@ -931,6 +933,7 @@ class Filesystem:
         self._handles[fh] = Handle(row.ino, fd, writable, direct,
                                    caller if writable and caller.uid != 0 else None)
         self.ns.pin(row.ino)
+        self.gate.opened()
         return fh
 
     def direct_io(self, fh: int) -> bool:
@@ -1144,7 +1147,9 @@ class Filesystem:
                 if trio.current_time() - hurried >= HURRY_EVERY:
                     hurried = trio.current_time()
                     self.listener.hurry()
-                with trio.move_on_at(deadline):
+                # Back within HURRY_EVERY to hurry again: a hurry also opens the uploads' yield
+                # gate for a while only, and this writer's open file would close it again.
+                with trio.move_on_at(min(deadline, hurried + HURRY_EVERY)):
                     await self._room_may_come()
         finally:
             self.stall_seconds += trio.current_time() - started
@@ -1520,6 +1525,7 @@ class Filesystem:
         handle = self._handles.pop(fh, None)
         if handle is None:
             raise BadHandle(f"file handle {fh}")
+        self.gate.closed()
         row = self.ns.get(handle.ino)
         if handle.writable:
             self._end_write(row)

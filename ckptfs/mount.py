@@ -63,7 +63,9 @@ from ckptfs.staging import SpaceBudget, Staging
 from ckptfs.storecheck import store_identity
 from ckptfs.tiers import open_tier
 from ckptfs.tiers.base import Tier, TierError
+from ckptfs.tiers.transfer import unwrap
 from ckptfs.upload import Uploader
+from ckptfs.yieldgate import YieldGate
 
 log = logging.getLogger(__name__)
 
@@ -346,9 +348,12 @@ async def serve(
         node = node_id(staging.root, config.node_id)
         assert fs.peers is not None
         fs.peers.node = node  # the stamps of its uploads name it (peers.py)
+        fs.gate = YieldGate(config.upload_settle.total_seconds(),
+                            config.upload_hold_max.total_seconds())
+        unwrap(tier).pace = fs.gate.wait_open  # parts of an upload in flight wait too
         uploader = Uploader(journal, fs.ns, staging, tier,
                             concurrency=config.upload_concurrency, markers=config.commit_markers,
-                            keys=fs.keys, peers=fs.peers, lister=fs.lister)
+                            keys=fs.keys, peers=fs.peers, lister=fs.lister, gate=fs.gate)
         fs.listener = uploader
         uploader.requeue_from_journal()
         run = NodeRun(staging.root, boot_id())

@@ -58,7 +58,7 @@ import os
 import random
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,6 +83,7 @@ from ckptfs.tiers.base import (
     Tier,
 )
 from ckptfs.workqueue import WorkQueue
+from ckptfs.yieldgate import YieldGate
 
 if TYPE_CHECKING:
     from ckptfs.coordination import Coordinator
@@ -169,6 +170,7 @@ class Uploader:
         concurrency: int, markers: Iterable[str], clock: Callable[[], float] = trio.current_time,
         min_block: int = MIN_BLOCK, keys: KeyClaims | None = None,
         peers: Peers | None = None, lister: Lister | None = None,
+        gate: YieldGate | None = None,
     ) -> None:
         self.journal = journal
         self.min_block = min_block  # the smallest integrity block (integrity.py)
@@ -208,6 +210,8 @@ class Uploader:
         # Set when other nodes may write to the same store (coordination.py): markers then
         # also wait for every node's files closed before them.
         self.coordinator: Coordinator | None = None
+        # Items start only when the job lets them (yieldgate.py); sync and hurry open it.
+        self.gate = gate if gate is not None else YieldGate.disabled()
 
     # -- hooks from the filesystem core (trio thread, never block) -------------------------
 
@@ -255,6 +259,7 @@ class Uploader:
         """A writer waits for space, or ``ckptfs sync`` waits: retry failed items (and probe a
         store taken as down) soon, whatever their backoff says."""
         limit = self._clock() + HURRY_DELAY
+        self.gate.bypass_for(2 * HURRY_DELAY)  # writers waiting for space hurry every second
         self._probe_at = min(self._probe_at, limit)
         for work in self._pending.values():
             if work.not_before > limit:
@@ -436,8 +441,9 @@ class Uploader:
 
     async def wait_until_done(self, upto_seq: int) -> None:
         """Return once every item numbered ``upto_seq`` or less has finished."""
-        while self._floor() <= upto_seq:
-            await self._changed.wait()
+        with self.gate.bypassed():  # someone waits for the store: no yielding to the job
+            while self._floor() <= upto_seq:
+                await self._changed.wait()
 
     async def wait_progress(self) -> None:
         """Return after the next item finishes (a writer waiting for space tries again)."""
@@ -682,7 +688,12 @@ class Uploader:
     async def _next(self) -> Work:
         while True:
             changed = self._changed
-            work, wake_at = self._pick(self._clock())
+            now = self._clock()
+            opens = self.gate.opens_at(now) if self._pending else now
+            if opens > now:
+                await self.gate.wait(opens)  # the job is busy (yieldgate.py)
+                continue
+            work, wake_at = self._pick(now)
             if work is not None:
                 # In flight before the next checkpoint: no other worker can take it.
                 self._inflight[work.key] = work
@@ -840,16 +851,16 @@ class Uploader:
         source = self.staging.path(data)
         size = row.size
         try:
-            # Durable before it is summed and before the journal says COMMITTED: a committed
-            # local copy may be read, evicted to, or uploaded again after a power loss. A
-            # small file is synced and summed inline: a thread hop costs more than summing
-            # it, and though its sync blocks for a device flush, a hop for it alone would
-            # still let the autojump clock of the node tests leap (tests/test_multinode.py).
+            # Durable before the journal says COMMITTED: a committed local copy may be read,
+            # evicted to, or uploaded again after a power loss. A small file is synced and
+            # summed inline: a thread hop costs more than summing it, and though its sync
+            # blocks for a device flush, a hop for it alone would still let the autojump
+            # clock of the node tests leap (tests/test_multinode.py). A big one is flushed
+            # while it is sent (``_put``): the store need not wait for the disk.
             if size <= INLINE_SUMS:
                 self.staging.datasync(data)
                 checksum, sums = file_sums(source, size, self.min_block)
             else:
-                await trio.to_thread.run_sync(self.staging.datasync, data)
                 checksum, sums = await trio.to_thread.run_sync(file_sums, source, size,
                                                                self.min_block)
         except FileNotFoundError:
@@ -868,7 +879,8 @@ class Uploader:
 
         started = time.monotonic()
         try:
-            etag = await self.tier.put_file(key, source, size, meta, progress)
+            etag = await self._put(data, size, lambda: self.tier.put_file(
+                key, source, size, meta, progress))
         except Exception:
             if row.state is State.UPLOADING and row.version == version:
                 row.state = State.STAGED  # waiting for a retry, as user.ckptfs.state says
@@ -906,6 +918,40 @@ class Uploader:
                 self._retire(old_key, old_stamp, old_etag)
         if os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
             self._continue(row.ino)  # renamed while uploading: move it
+
+    async def _put(self, data: int, size: int,
+                   put: Callable[[], Awaitable[str | None]]) -> str | None:
+        """``put()``, and for a file not synced inline (over INLINE_SUMS) the device flush of
+        its staging file beside it; returns once both are done (the first failure is raised
+        as itself, as the tiers raise theirs). A file unlinked meanwhile is not flushed:
+        ``_still_there`` then finds it gone."""
+        if size <= INLINE_SUMS:
+            return await put()
+        failed: list[Exception] = []
+        tags: list[str | None] = []
+
+        async def flush(cancel: trio.CancelScope) -> None:
+            try:
+                await trio.to_thread.run_sync(self.staging.datasync, data)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - raised below
+                failed.append(exc)
+                cancel.cancel()
+
+        async def send(cancel: trio.CancelScope) -> None:
+            try:
+                tags.append(await put())
+            except Exception as exc:  # noqa: BLE001 - raised below
+                failed.append(exc)
+                cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush, nursery.cancel_scope)
+            nursery.start_soon(send, nursery.cancel_scope)
+        if failed:
+            raise failed[0]
+        return tags[0]
 
     async def _move(self, row: Row, key: str) -> None:
         old_key = row.remote_key

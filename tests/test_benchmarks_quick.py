@@ -2,7 +2,8 @@
 once, three questions at a time, with one SeaweedFS server for all (Q7, the restore, with both
 stores; Q6, the node data path, on tmpfs, its passthrough cells measured when
 scripts/build_passthrough_fuse.sh was built and saying why not otherwise; Q8, the
-responsiveness at scale, at 200 files, a 16 MiB fsync and 4 simulated nodes); the sizes and
+responsiveness at scale, at 200 files, a 16 MiB fsync and 4 simulated nodes; Q9, the upload
+beside the job, 2 ranks of 8 MiB, one round); the sizes and
 cuts are run_all.QUICK. ~90-110 CPU-seconds for the run and what it starts (measured
 2026-12-03): 104-184 s on the shared 2-CPU machine at load average 3-8.
 
@@ -27,7 +28,7 @@ from tests.seaweed import weed_binary
 pytestmark = [pytest.mark.mount, pytest.mark.torch, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-QUESTIONS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8")
+QUESTIONS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9")
 
 
 def test_run_all_quick(tmp_path: Path) -> None:
@@ -69,6 +70,9 @@ def test_run_all_quick(tmp_path: Path) -> None:
     assert q8["ckptfs"]["probe"]["answers"] > 0
     assert all(p["daemon_loop"]["gc_full_collections"] >= 0 for p in q8["ckptfs"]["points"])
     assert [s["nodes"] for s in q8["sim"]["runs"]] == data["options"]["q8_sim_nodes"]
+    q9 = data["results"]["q9"]
+    assert {r["mode"] for r in q9["burst"]["rounds"]} == {"plain", "ckptfs", "ckptfs-nogate"}
+    assert {r["side"] for r in q9["s3"]["rounds"]} == {"boto3", "ckptfs"}
     assert data["machine"]["nproc"] >= 1
     png = (out / "run_all.quick.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

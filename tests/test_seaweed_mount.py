@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import base64
 import os
-import zlib
 from pathlib import Path
 
+import crc32c
 import pytest
 
 from ckptfs.tiers.base import CONTROL_PREFIX
@@ -39,9 +39,9 @@ def config(seaweed: Seaweed, bucket: str, path: Path) -> Path:
         metadata_ttl="1s", log_level="info")
 
 
-def crc32_header(data: bytes) -> str:
-    """``x-amz-checksum-crc32`` of ``data`` (base64 of the big-endian CRC32)."""
-    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+def crc32c_header(data: bytes) -> str:
+    """``x-amz-checksum-crc32c`` of ``data`` (base64 of the big-endian CRC32C)."""
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
 
 
 def test_files_round_trip_through_seaweedfs(mounter: Mounter, seaweed: Seaweed,
@@ -97,6 +97,7 @@ def test_files_round_trip_through_seaweedfs(mounter: Mounter, seaweed: Seaweed,
             assert parts["ObjectParts"]["TotalPartsCount"] == 3, parts
             assert reply["ETag"].endswith('-3"'), reply["ETag"]
         else:
-            # one PutObject: SeaweedFS verified its CRC32 and keeps it
-            assert reply.get("ChecksumCRC32") == crc32_header(data), (rel, reply)
+            # one PutObject: SeaweedFS verified the CRC32C the uploader computed (no second
+            # pass by botocore) and keeps it
+            assert reply.get("ChecksumCRC32C") == crc32c_header(data), (rel, reply)
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

@@ -6,15 +6,19 @@ verifies checksums and credentials: tests/seaweed.py), each exactly as it would 
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 import trio
 
+from ckptfs.integrity import BlockSums, file_sums, format_crc
 from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, PreconditionFailed, Tier, TierError
 from ckptfs.tiers.local import TMP_MARK, FileTier
 from ckptfs.tiers.memory import MemoryTier
@@ -83,17 +87,22 @@ async def read_back(tier: Tier, key: str, size: int, tmp_path: Path,
         os.close(fd)
 
 
-META = ObjectMeta(Kind.FILE, 0o640, 1_700_000_000_123_456_789, os.getuid(), os.getgid(),
-                  "crc32c:0badf00d")
+META = ObjectMeta(Kind.FILE, 0o640, 1_700_000_000_123_456_789, os.getuid(), os.getgid())
+
+
+def meta_of(data: bytes, meta: ObjectMeta = META) -> ObjectMeta:
+    """``meta`` carrying the CRC32C of ``data``: what every caller of ``put_file`` passes (an
+    S3 tier sends it as the request's checksum, and the store refuses bytes that differ)."""
+    return dataclasses.replace(meta, checksum=format_crc(crc32c.crc32c(data)))
 
 
 async def test_put_head_read_list(tier: Tier, tmp_path: Path) -> None:
     src, data = make_file(tmp_path, 100_000)
-    tag = await tier.put_file("step_1/model.pt", src, len(data), META)
+    tag = await tier.put_file("step_1/model.pt", src, len(data), meta_of(data))
     info = await tier.head("step_1/model.pt")
     assert tag is not None and info.etag == tag  # the tag a listing will show
     assert info.size == len(data)
-    assert info.meta.mode == 0o640 and info.meta.checksum == "crc32c:0badf00d"
+    assert info.meta.mode == 0o640 and info.meta.checksum == meta_of(data).checksum
     assert info.meta.mtime_ns == META.mtime_ns
     assert await read_back(tier, "step_1/model.pt", len(data), tmp_path) == data
     assert await read_back(tier, "step_1/model.pt", 100, tmp_path, offset=5000) == data[5000:5100]
@@ -108,7 +117,7 @@ async def test_multipart_sized_file_round_trips(tier: Tier, tmp_path: Path) -> N
     size = 2 * MIN_PART_SIZE + 12345
     src, data = make_file(tmp_path, size)
     seen: list[int] = []
-    await tier.put_file("big.bin", src, size, META, seen.append)
+    await tier.put_file("big.bin", src, size, meta_of(data), seen.append)
     assert sum(seen) == size
     back = await read_back(tier, "big.bin", size, tmp_path)
     assert back == data
@@ -118,12 +127,12 @@ async def test_multipart_sized_file_round_trips(tier: Tier, tmp_path: Path) -> N
 async def test_overwrite_copy_delete(tier: Tier, tmp_path: Path) -> None:
     a, data_a = make_file(tmp_path, 3000, "a")
     b, data_b = make_file(tmp_path, 5000, "b")
-    await tier.put_file("x", a, len(data_a), META)
-    await tier.put_file("x", b, len(data_b), META)
+    await tier.put_file("x", a, len(data_a), meta_of(data_a))
+    await tier.put_file("x", b, len(data_b), meta_of(data_b))
     assert await read_back(tier, "x", 10_000, tmp_path) == data_b
     await tier.copy("x", "dir/y")
     assert await read_back(tier, "dir/y", 10_000, tmp_path) == data_b
-    assert (await tier.head("dir/y")).meta.checksum == META.checksum
+    assert (await tier.head("dir/y")).meta.checksum == meta_of(data_b).checksum
     await tier.delete("x")
     await tier.delete("x")  # idempotent
     with pytest.raises(ObjectMissing):
@@ -138,7 +147,7 @@ async def test_copy_is_pinned_to_the_source_tag(tier: Tier, tmp_path: Path) -> N
     copy retried after an error must still find it)."""
     a, data_a = make_file(tmp_path, 3000, "a")
     b, data_b = make_file(tmp_path, 5000, "b")
-    old = await tier.put_file("ckpt", a, len(data_a), META)
+    old = await tier.put_file("ckpt", a, len(data_a), meta_of(data_a))
     assert old is not None
     new_tag = await tier.copy("ckpt", "ckpt.prev", if_etag=old)
     assert new_tag is None or (await tier.head("ckpt.prev")).etag == new_tag
@@ -147,7 +156,7 @@ async def test_copy_is_pinned_to_the_source_tag(tier: Tier, tmp_path: Path) -> N
     await tier.copy("ckpt", "ckpt.prev", if_etag=old)  # a retry finds it as it was
     assert await read_back(tier, "ckpt.prev", 10_000, tmp_path) == data_a
     # The new checkpoint lands at the source: the old tag must not copy it.
-    await tier.put_file("ckpt", b, len(data_b), META)
+    await tier.put_file("ckpt", b, len(data_b), meta_of(data_b))
     with pytest.raises(PreconditionFailed):
         await tier.copy("ckpt", "elsewhere", if_etag=old)
     with pytest.raises(ObjectMissing):
@@ -181,6 +190,7 @@ async def test_large_copy_keeps_every_piece_of_metadata(tier: Tier, tmp_path: Pa
                           FULL_META.checksum, blocks=FULL_META.blocks)  # chown needs root
     else:
         meta = FULL_META
+    meta = meta_of(data, meta)
     tag = await tier.put_file("step_1.tmp/shard_0", src, size, meta)
     await tier.copy("step_1.tmp/shard_0", "step_1/shard_0", if_etag=tag)
     info = await tier.head("step_1/shard_0")
@@ -239,9 +249,9 @@ async def test_special_files_keep_type_mode_and_rdev(tier: Tier, tmp_path: Path)
 
 async def test_cancelled_put_leaves_nothing(tier: Tier, tmp_path: Path) -> None:
     size = 3 * MIN_PART_SIZE
-    src, _ = make_file(tmp_path, size)
+    src, data = make_file(tmp_path, size)
     with trio.move_on_after(0.05):
-        await tier.put_file("cancelled.bin", src, size, META)
+        await tier.put_file("cancelled.bin", src, size, meta_of(data))
     await trio.sleep(0.2)
     keys = [i.key for i in await tier.list()]
     assert all(TMP_MARK not in k for k in keys)
@@ -266,6 +276,35 @@ async def test_s3_cleanup_aborts_stale_multipart(s3_endpoint: S3Server | Seaweed
     assert left == ["p/not-ours"]
 
 
+async def test_s3_put_sends_the_uploaders_crc32c(seaweed: Seaweed, tmp_path: Path) -> None:
+    """The bytes are summed once per upload: each PutObject / UploadPart carries the CRC32C the
+    uploader computed (a part's from its integrity blocks; the part size is then a whole
+    number of blocks), not one botocore computes in another pass. SeaweedFS checks it, so a
+    wrong block CRC is refused, and what it keeps is our CRC32C."""
+    bucket = seaweed.new_bucket()
+    tier = s3_tier(seaweed, f"s3://{bucket}/p", part_size=MIN_PART_SIZE + 1)
+    size = 3 * MIN_PART_SIZE + 7
+    src, _ = make_file(tmp_path, size)
+    checksum, sums = file_sums(src, size, 1024 * 1024)
+    meta = dataclasses.replace(META, checksum=checksum, blocks=sums.encode())
+    await tier.put_file("big", src, size, meta)
+    client = seaweed.client()
+    head = client.head_object(Bucket=bucket, Key="p/big", ChecksumMode="ENABLED")
+    # Parts of 6 MiB (5 MiB + 1 rounded up to whole 1 MiB blocks): 3 parts, not 4.
+    assert head["ETag"].endswith('-3"') and head.get("ChecksumCRC32C", "").endswith("-3"), head
+    small, small_data = make_file(tmp_path, 1000, "small")
+    await tier.put_file("small", small, 1000, meta_of(small_data))
+    head = client.head_object(Bucket=bucket, Key="p/small", ChecksumMode="ENABLED")
+    assert head.get("ChecksumCRC32C") == base64.b64encode(
+        crc32c.crc32c(small_data).to_bytes(4, "big")).decode()
+    wrong = BlockSums(sums.block_size, (sums.crcs[0] ^ 1, *sums.crcs[1:]))
+    with pytest.raises(TierError, match="BadDigest"):
+        await tier.put_file("bad", src, size, dataclasses.replace(meta, blocks=wrong.encode()))
+    with pytest.raises(TierError, match="BadDigest"):
+        await tier.put_file("bad", small, 1000, meta)  # not the small file's CRC32C
+    await tier.aclose()
+
+
 async def test_s3_check_fails_fast(s3_endpoint: S3Server | Seaweed) -> None:
     with pytest.raises(TierError, match="does not exist"):
         await s3_tier(s3_endpoint, "s3://no-such-bucket-here/p").check()
@@ -282,7 +321,7 @@ def test_checksum_is_crc32c(tmp_path: Path) -> None:
 async def test_list_dir_is_one_level(tier: Tier, tmp_path: Path) -> None:
     src, data = make_file(tmp_path, 1000)
     for key in ("a/x", "a/b/y", "a/b/c/z", "top"):
-        await tier.put_file(key, src, len(data), META)
+        await tier.put_file(key, src, len(data), meta_of(data))
     await tier.put_entry("a/empty/", ObjectMeta(Kind.DIRECTORY, 0o750))
     root = {i.key for i in await tier.list_dir("")}
     assert root == {"a/", "top"}
@@ -304,7 +343,7 @@ async def test_s3_list_dir_drops_a_prefix_once_its_last_key_is_gone(
     await tier.put_entry("d/", ObjectMeta(Kind.DIRECTORY, 0o750))
     await tier.put_entry("d/e/", ObjectMeta(Kind.DIRECTORY, 0o750))
     for key in ("d/e/f", "d/g", "implicit/h", "keep/k"):
-        await tier.put_file(key, src, len(data), META)
+        await tier.put_file(key, src, len(data), meta_of(data))
     assert {i.key for i in await tier.list_dir("")} == {"d/", "implicit/", "keep/"}
     for key in ("d/e/f", "d/e/", "d/g", "d/", "implicit/h"):
         await tier.delete(key)
@@ -375,7 +414,7 @@ async def test_s3_copy_tag_is_the_tag_head_shows(s3_endpoint: S3Server | Seaweed
     if isinstance(s3_endpoint, S3Server):
         unquote_copy_tags(t.client)
     src, data = make_file(tmp_path, 2 * MIN_PART_SIZE + 1)
-    await t.put_file("a", src, len(data), META)
+    await t.put_file("a", src, len(data), meta_of(data))
     single = await t.copy("a", "b")
     t.copy_threshold = t.copy_part_size = MIN_PART_SIZE  # the multipart copy: Complete's tag
     multi = await t.copy("a", "c")

@@ -23,6 +23,7 @@ from ckptfs.tiers.base import Kind, ObjectMeta, Progress
 from ckptfs.tiers.faulty import FaultyTier
 from ckptfs.tiers.memory import MemoryTier
 from ckptfs.upload import OUTAGE_AFTER, Uploader, file_checksum
+from ckptfs.yieldgate import YieldGate
 
 ROOT = ROOT_INODE
 
@@ -85,15 +86,18 @@ class Rig:
 
 @asynccontextmanager
 async def open_rig(tmp_path: Path, tier: RecordingTier, inner: MemoryTier, *,
-                   unlink_remote: bool = True, concurrency: int = 4) -> AsyncIterator[Rig]:
+                   unlink_remote: bool = True, concurrency: int = 4,
+                   gate: YieldGate | None = None) -> AsyncIterator[Rig]:
     """A filesystem core and its uploader over ``tier`` (which wraps ``inner``)."""
     staging = Staging(tmp_path / "staging")
     staging.prepare()
     journal = Journal(staging.root / "journal.db")
     fs = Filesystem(journal, staging, tier=tier, unlink_remote=unlink_remote)
     fs.start()
+    if gate is not None:
+        fs.gate = gate
     uploader = Uploader(journal, fs.ns, staging, tier, concurrency=concurrency,
-                        markers=DEFAULT_COMMIT_MARKERS, keys=fs.keys)
+                        markers=DEFAULT_COMMIT_MARKERS, keys=fs.keys, gate=gate)
     fs.listener = uploader
     async with trio.open_nursery() as nursery:
         await nursery.start(uploader.run)

@@ -43,7 +43,7 @@ import abc
 import builtins
 import enum
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -52,6 +52,7 @@ from ckptfs.errors import CkptfsError, NeedsRestore, StoreRefused, StoreUnavaila
 
 # Called with the number of bytes just transferred (progress bars, rates).
 Progress = Callable[[int], None]
+Pace = Callable[[], Awaitable[None]]
 
 
 # Keys under this prefix at a tier's root hold ckptfs's own state shared by the nodes
@@ -213,6 +214,9 @@ class Tier(abc.ABC):
     def __init__(self, name: str, url: str) -> None:
         self.name = name
         self.url = url
+        # Awaited between the parts (S3) or chunks (file tier) of a put: the mount's yield
+        # gate, so that an upload in flight pauses while the job writes (yieldgate.py).
+        self.pace: Pace | None = None
 
     async def check(self) -> None:
         """Fail fast at mount time (unreachable, missing bucket, bad credentials)."""

@@ -13,8 +13,12 @@ Invariants:
   memory, so the daemon's size does not grow with part_size x parts in flight). A
   multipart upload that fails or is cancelled is aborted; ``cleanup`` aborts the ones a crash
   left behind for keys this node owns.
-- botocore sends an integrity checksum with every PutObject/UploadPart (when_supported), and
-  our own whole-file CRC32C travels as ``x-amz-meta-ckptfs-checksum``.
+- Every PutObject/UploadPart carries an integrity checksum the store verifies. For a file
+  whose CRC32Cs the uploader computed (``meta.checksum``, ``meta.blocks``) it is that CRC32C
+  (``x-amz-checksum-crc32c``: the whole file's for a PutObject, a part's combined from its
+  integrity blocks for an UploadPart, whose size is then a multiple of the block), so the
+  bytes are summed once per upload, not once more by botocore; otherwise botocore's own
+  (when_supported). Our whole-file CRC32C also travels as ``x-amz-meta-ckptfs-checksum``.
 - Every server-side copy (``copy``, ``promote``, and transfer.py's copies between tiers
   behind one endpoint) goes through ``copy_from``, which keeps all of the source's user
   metadata and content headers at any size. Below ``copy_threshold`` it is one CopyObject;
@@ -44,6 +48,7 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import builtins
 import io
 import logging
@@ -56,6 +61,7 @@ from urllib.parse import parse_qs, urlsplit
 import trio
 
 from ckptfs.errors import StoreUnavailable, UserError
+from ckptfs.integrity import BlockSums
 from ckptfs.tiers.base import (
     Kind,
     ObjectArchived,
@@ -332,8 +338,10 @@ class S3Tier(Tier):
                 body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
                 if len(body) != size:
                     raise TierError(f"{source} is shorter than {size} bytes")
+                whole = _whole_crc(meta.checksum)
+                sent = {} if whole is None else {"ChecksumCRC32C": _crc_header(whole)}
                 reply = await self._call(self.client.put_object, Bucket=self.bucket, Key=full,
-                                         Body=body, **self._put_args(meta))
+                                         Body=body, **sent, **self._put_args(meta))
                 if progress:
                     progress(size)
             else:
@@ -345,18 +353,28 @@ class S3Tier(Tier):
     async def _multipart(
         self, full: str, fd: int, size: int, meta: ObjectMeta, progress: Progress | None
     ) -> dict[str, Any]:
+        sums = BlockSums.decode(meta.blocks)
+        if sums is not None and not sums.matches_size(size):
+            sums = None
+        part_size = self.part_size if sums is None else _part_size(self.part_size, sums, size)
+        crcs = None if sums is None else await trio.to_thread.run_sync(
+            _part_crcs, sums, size, part_size)
+        args = self._put_args(meta)
+        if crcs is not None:
+            args["ChecksumAlgorithm"] = "CRC32C"
         created = await self._call(self.client.create_multipart_upload, Bucket=self.bucket,
-                                   Key=full, **self._put_args(meta))
+                                   Key=full, **args)
         upload_id = created["UploadId"]
-        count = (size + self.part_size - 1) // self.part_size
+        count = (size + part_size - 1) // part_size
         etags: list[str | None] = [None] * count
         slots = trio.Semaphore(self.part_concurrency)
 
         def send(number: int) -> str:
-            offset = (number - 1) * self.part_size
-            body = _PartReader(fd, offset, min(self.part_size, size - offset))
+            offset = (number - 1) * part_size
+            body = _PartReader(fd, offset, min(part_size, size - offset))
+            sent = {} if crcs is None else {"ChecksumCRC32C": _crc_header(crcs[number - 1])}
             reply = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id,
-                                            PartNumber=number, Body=body)
+                                            PartNumber=number, Body=body, **sent)
             return str(reply["ETag"])
 
         failed: list[Exception] = []
@@ -364,6 +382,8 @@ class S3Tier(Tier):
         async def part(number: int, cancel: trio.CancelScope) -> None:
             try:
                 async with slots:
+                    if self.pace is not None:
+                        await self.pace()  # the job is busy: the next part waits for it
                     etags[number - 1] = await self._call(send, number)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the abort
                 # The first failure is the upload's, as itself: in an exception group a
@@ -372,7 +392,7 @@ class S3Tier(Tier):
                 cancel.cancel()
                 return
             if progress:
-                progress(min(self.part_size, size - (number - 1) * self.part_size))
+                progress(min(part_size, size - (number - 1) * part_size))
 
         try:
             async with trio.open_nursery() as nursery:
@@ -381,18 +401,22 @@ class S3Tier(Tier):
                     nursery.start_soon(part, number, nursery.cancel_scope)
             if failed:
                 raise failed[0]
-            done = await self._complete(full, upload_id, etags)
+            done = await self._complete(full, upload_id, etags, crcs)
         except BaseException:
             await self._abort(full, upload_id, "upload of")
             raise
         return done
 
-    async def _complete(self, full: str, upload_id: str, etags: list[str | None]) -> dict[str, Any]:
+    async def _complete(self, full: str, upload_id: str, etags: list[str | None],
+                        crcs: list[int] | None = None) -> dict[str, Any]:
+        parts: list[dict[str, Any]] = [{"ETag": e, "PartNumber": i + 1}
+                                       for i, e in enumerate(etags)]
+        if crcs is not None:  # an upload created with a checksum names each part's
+            for part, crc in zip(parts, crcs):
+                part["ChecksumCRC32C"] = _crc_header(crc)
         done: dict[str, Any] = await self._call(
             self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
-            UploadId=upload_id,
-            MultipartUpload={"Parts": [{"ETag": e, "PartNumber": i + 1}
-                                       for i, e in enumerate(etags)]},
+            UploadId=upload_id, MultipartUpload={"Parts": parts},
         )
         return done
 
@@ -711,3 +735,82 @@ def _lists_emptied_prefixes(reply: dict[str, Any]) -> bool:
     prefix only while a key is under it."""
     server = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("server", "")
     return isinstance(server, str) and server.startswith("SeaweedFS")
+
+
+# -- CRC32C of parts, from the integrity blocks (integrity.py) ------------------------------------
+
+_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
+
+
+def _whole_crc(checksum: str | None) -> int | None:
+    """The whole-file CRC32C of ``ObjectMeta.checksum`` ("crc32c:<8 hex>"), if it is one."""
+    if not checksum or not checksum.startswith("crc32c:"):
+        return None
+    try:
+        return int(checksum[7:], 16)
+    except ValueError:
+        return None
+
+
+def _crc_header(crc: int) -> str:
+    """A CRC32C as S3 wants it in ``x-amz-checksum-crc32c``: base64 of its 4 big-endian bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _part_size(wanted: int, sums: BlockSums, size: int) -> int:
+    """The part size of a multipart upload whose part CRCs come from ``sums``: ``wanted``
+    rounded up to a whole number of integrity blocks (and to at most MAX_PARTS parts)."""
+    wanted = max(wanted, -(-size // MAX_PARTS))
+    return -(-wanted // sums.block_size) * sums.block_size
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _crc_shift(length: int) -> list[int]:
+    """The linear map (32 columns over GF(2)) that carries a CRC32C over ``length`` more
+    bytes: crc(a + b) == _gf2_times(_crc_shift(len(b)), crc(a)) ^ crc(b) (zlib's
+    crc32_combine, with the Castagnoli polynomial)."""
+    odd = [_CRC32C_POLY] + [1 << n for n in range(31)]  # one zero bit
+    even = [_gf2_times(odd, c) for c in odd]  # two zero bits
+    odd = [_gf2_times(even, c) for c in even]  # four zero bits
+    shift = [1 << n for n in range(32)]
+    while length:
+        even = [_gf2_times(odd, c) for c in odd]  # one zero byte, then 4, 16, ...
+        if length & 1:
+            shift = [_gf2_times(even, c) for c in shift]
+        length >>= 1
+        if not length:
+            break
+        odd = [_gf2_times(even, c) for c in even]  # two zero bytes, then 8, 32, ...
+        if length & 1:
+            shift = [_gf2_times(odd, c) for c in shift]
+        length >>= 1
+    return shift
+
+
+def _part_crcs(sums: BlockSums, size: int, part_size: int) -> list[int]:
+    """The CRC32C of each ``part_size`` part of a ``size``-byte file, combined from its block
+    CRCs (``part_size`` is a whole number of blocks)."""
+    block = sums.block_size
+    per_part = part_size // block
+    full, tail = _crc_shift(block), None
+    last_len = size - (len(sums.crcs) - 1) * block
+    out: list[int] = []
+    for first in range(0, len(sums.crcs), per_part):
+        crc = sums.crcs[first]
+        for j in range(first + 1, min(first + per_part, len(sums.crcs))):
+            if j == len(sums.crcs) - 1 and last_len != block:
+                tail = tail or _crc_shift(last_len)
+                crc = _gf2_times(tail, crc) ^ sums.crcs[j]
+            else:
+                crc = _gf2_times(full, crc) ^ sums.crcs[j]
+        out.append(crc)
+    return out
