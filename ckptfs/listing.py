@@ -378,6 +378,7 @@ class Lister:
         details = await self._head_all(heads)
         lost = self._lost_candidates(prefix, remote, before, started)
         verdicts, used = await self.peers.judge(lost)
+        acted: set[str] = set()  # keys whose record was acted on: those records go
         # From here on nothing is awaited: the journal changes in one go. Everything the
         # decisions depend on is read again now, since the namespace went on meanwhile (an
         # unlink adds a tombstone, a rename claims a key, the directory itself may move).
@@ -421,7 +422,8 @@ class Lister:
                     # Another node deleted or renamed exactly this version (peers.py): the
                     # copy goes too (a moved one lives on under its new name), else it would
                     # bring back what the job removed.
-                    self._remove(directory, name, row)
+                    if self._remove(directory, name, row):
+                        acted.add(key)
                 elif verdict is Verdict.LOST:
                     # Written here, local copy at hand, and nothing accounts for its
                     # absence: never lose it on the word of a listing (the store lost it,
@@ -431,7 +433,8 @@ class Lister:
                     self._on_lost(row)
                 # No verdict (the records could not be read): the next listing decides.
         self._fresh_until[directory.ino] = self._clock() + self.ttl
-        await self.peers.drop(used)
+        # A record not acted on (the entry changed meanwhile) stays for the next decision.
+        await self.peers.drop(r for r in used if r.key in acted)
         return True
 
     def _holds_copy(self, row: Row) -> bool:
