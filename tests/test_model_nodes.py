@@ -85,12 +85,19 @@ REPLACED_THEN_DELETED = (2, [
 PARKED_MARKER = (2, [
     Op("write", 0, "step1/a"), Op("write", 0, "step1/.metadata"),
     Op("exchange", 0, "step1/.metadata", "step1/a"), Op("write", 0, "step1/n0.done")])
+# Clock skew: the writer's wall clock an hour ahead of the renaming node's (the records of
+# the previous code were compared by time: a moved shard was taken for lost and uploaded
+# again under its old name).
+CLOCK_SKEW = (2, [
+    Op("skew", 1, n=3600), Op("write", 1, "step1.tmp/b"), Op("sync", 1),
+    Op("write", 0, "step1.tmp/.metadata"), Op("rename", 0, "step1.tmp", "step1")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
          "removed-then-rewritten": REMOVED_THEN_REWRITTEN,
-         "replaced-then-deleted": REPLACED_THEN_DELETED, "parked-marker": PARKED_MARKER}
+         "replaced-then-deleted": REPLACED_THEN_DELETED, "parked-marker": PARKED_MARKER,
+         "clock-skew": CLOCK_SKEW}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -261,3 +261,29 @@ async def test_a_symlink_made_at_a_key_being_moved_away_waits_for_the_move(
     assert rig.files() == {"ckpt.prev": b"old" * 1000}
     assert rig.objects["ckpt"].meta.kind is Kind.SYMLINK
     assert await _read(rig, "ckpt.prev") == b"old" * 1000
+
+
+async def test_a_file_whose_rename_is_not_in_the_store_is_never_evicted(
+        rig: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``mv x y`` while the store is down: ``y``'s committed copy is still at ``x`` until its
+    move runs. Its local copy is not evicted (for room, by ``ckptfs evict``, or by retention):
+    another node deleting or overwriting ``x`` meanwhile would leave nothing to move."""
+    await rig.write("x", b"x" * 1000)
+    await rig.settle()
+    rig.tier.down = True
+    await rig.fs.rename(ROOT, b"x", ROOT, b"y")
+    await trio.sleep(5)
+    ino = await rig.ino("y")
+    row = rig.fs.getattr(ino)
+    assert row.state is State.COMMITTED and row.remote_key == "x"
+    assert not rig.fs.evictable(row)
+    assert rig.fs.evict_for_space(10_000) == 0
+    evicted, _, kept = await rig.fs.evict_tree(ROOT)
+    assert evicted == 0 and kept == ["y: its rename is not carried to the store yet"]
+    del rig.objects["x"]  # another node deletes the old key meanwhile
+    rig.tier.down = False
+    rig.uploader.hurry()
+    with trio.fail_after(600):
+        await rig.settle()
+    assert rig.objects["y"].body == b"x" * 1000  # uploaded again from the local copy
+    assert rig.fs.evictable(rig.fs.getattr(ino))
