@@ -799,12 +799,14 @@ class Filesystem:
                 raise NotADirectory(new_name.decode(errors="replace"))
             dst = None
         replaced_keys = self._remote_keys(dst) if dst is not None and not exchange else []
+        overwritten = None
         if dst is not None and not exchange:
             # The moved file goes to exactly that key and overwrites it there: deleting it
             # first would leave the store without it in between (`latest.tmp` -> `latest`).
             dst_path = self.journal.path_of(dst.ino)
             replaced_keys = [k for k in replaced_keys
                              if not dst_path or k.rstrip("/") != os.fsdecode(dst_path)]
+            overwritten = os.fsdecode(dst_path) if dst_path else None
         old_path = self.journal.path_of(src.ino) if stat.S_ISDIR(src.mode) else None
         # Directories that move: their old keys may have to go (keys.py, rule 6).
         dirs_before = self.keys.directory_keys(
@@ -823,6 +825,13 @@ class Filesystem:
             )
             tombs = [(self._tombstone(k, replaced), k) for k in replaced_keys] if replaced \
                 else []
+            if replaced is not None and overwritten is not None and self.peers is not None \
+                    and replaced.remote_key == overwritten and self.peers.foreign(replaced.stamp):
+                # The moved file overwrites the replaced one's object at its key: another
+                # node that wrote that version is told it is gone (a tombstone that deletes
+                # nothing, peers.py), else it would find it missing and upload it again.
+                tombs.append((self.journal.add_tombstone(
+                    overwritten, replaced.stamp, replaced.remote_etag, keep=True), overwritten))
             left = [(self.journal.add_tombstone(k), k) for k in self.keys.left_behind(dirs_before)]
             new_path = self.journal.path_of(moved.ino)
             if old_path and new_path and not exchange:

@@ -158,7 +158,8 @@ CREATE TABLE IF NOT EXISTS tombstones (
     key      TEXT NOT NULL,
     stamp    TEXT,
     etag     TEXT,
-    moved_to TEXT
+    moved_to TEXT,
+    keep     INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS sweeps (
     id   INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -244,16 +245,22 @@ class Journal:
                     self._db.execute("ALTER TABLE inodes ADD COLUMN link_of INTEGER")
                 # Version 5 added versions across nodes (peers.py): the stamp of each row's
                 # object, the version a deletion applies to, deletion sweeps and their marks.
-                self._db.execute("ALTER TABLE inodes ADD COLUMN stamp TEXT")
+                # (Tables an old journal never had were made by the schema script as they
+                # are now: only what an existing one lacks is added.)
+                self._add_column("inodes", "stamp", "TEXT")
                 for column in ("stamp", "etag", "moved_to"):
-                    self._db.execute(f"ALTER TABLE tombstones ADD COLUMN {column} TEXT")
-                self._db.execute("ALTER TABLE sweeps RENAME TO sweeps_v4")
-                self._db.execute("CREATE TABLE sweeps (id INTEGER PRIMARY KEY AUTOINCREMENT,"
-                                 " old TEXT NOT NULL, new TEXT,"
-                                 " mark INTEGER NOT NULL DEFAULT 0)")
-                self._db.execute("INSERT INTO sweeps (id, old, new) SELECT id, old, new"
-                                 " FROM sweeps_v4")
-                self._db.execute("DROP TABLE sweeps_v4")
+                    self._add_column("tombstones", column, "TEXT")
+                self._add_column("tombstones", "keep", "INTEGER NOT NULL DEFAULT 0")
+                if "mark" not in self._columns("sweeps"):
+                    # ``new`` may be NULL now (a removal): a column constraint, so the table
+                    # is made again.
+                    self._db.execute("ALTER TABLE sweeps RENAME TO sweeps_v4")
+                    self._db.execute("CREATE TABLE sweeps (id INTEGER PRIMARY KEY "
+                                     "AUTOINCREMENT, old TEXT NOT NULL, new TEXT,"
+                                     " mark INTEGER NOT NULL DEFAULT 0)")
+                    self._db.execute("INSERT INTO sweeps (id, old, new) SELECT id, old, new"
+                                     " FROM sweeps_v4")
+                    self._db.execute("DROP TABLE sweeps_v4")
                 self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'",
                                  (str(SCHEMA_VERSION),))
         elif int(found[0]) != SCHEMA_VERSION:
@@ -271,6 +278,13 @@ class Journal:
             "SELECT max(coalesce((SELECT max(version) FROM inodes), 0),"
             " coalesce((SELECT max(mark) FROM sweeps), 0))").fetchone()
         self._version = int(found[0])
+
+    def _columns(self, table: str) -> set[str]:
+        return {str(r[1]) for r in self._db.execute(f"PRAGMA table_info({table})")}
+
+    def _add_column(self, table: str, column: str, declaration: str) -> None:
+        if column not in self._columns(table):
+            self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     def close(self) -> None:
         self._db.close()
@@ -700,13 +714,15 @@ class Journal:
     # -- tombstones: remote keys to delete ------------------------------------------------
 
     def add_tombstone(self, key: str, stamp: str | None = None, etag: str | None = None,
-                      moved_to: str | None = None) -> int:
+                      moved_to: str | None = None, keep: bool = False) -> int:
         """``key`` is to be deleted from the warm tier; ``stamp`` and ``etag`` name the
         version this node knew there (peers.py: the deletion applies to that version), and
-        ``moved_to`` the key it was copied to if the deletion ends a move."""
+        ``moved_to`` the key it was copied to if the deletion ends a move. ``keep``: the key
+        is not deleted but overwritten by this node (a rename over a file): only the
+        version's writer is told."""
         cur = self._db.execute(
-            "INSERT INTO tombstones (key, stamp, etag, moved_to) VALUES (?, ?, ?, ?)",
-            (key, stamp, etag, moved_to))
+            "INSERT INTO tombstones (key, stamp, etag, moved_to, keep) VALUES (?, ?, ?, ?, ?)",
+            (key, stamp, etag, moved_to, int(keep)))
         assert cur.lastrowid is not None
         self._note_tombstone(key)
         return cur.lastrowid
@@ -738,12 +754,15 @@ class Journal:
         found = self._db.execute("SELECT key FROM tombstones WHERE id = ?", (tomb_id,)).fetchone()
         return str(found[0]) if found else None
 
-    def tombstone_pin(self, tomb_id: int) -> tuple[str | None, str | None, str | None]:
+    def tombstone_pin(self, tomb_id: int) -> tuple[str | None, str | None, str | None, bool]:
         """The stamp and tag of the version a tombstone deletes (None, None: whatever is
-        there), and where it was moved to (None: a deletion)."""
-        found = self._db.execute("SELECT stamp, etag, moved_to FROM tombstones WHERE id = ?",
-                                 (tomb_id,)).fetchone()
-        return (None, None, None) if found is None else (found[0], found[1], found[2])
+        there), where it was moved to (None: a deletion), and whether the key is kept (only
+        the writer is told)."""
+        found = self._db.execute(
+            "SELECT stamp, etag, moved_to, keep FROM tombstones WHERE id = ?",
+            (tomb_id,)).fetchone()
+        return (None, None, None, False) if found is None else \
+            (found[0], found[1], found[2], bool(found[3]))
 
     def drop_tombstone(self, tomb_id: int) -> None:
         """The deletion is done (or no longer needed)."""

@@ -784,8 +784,12 @@ class Uploader:
                 # A live file committed at this key since (a rename over it, an exchange):
                 # the object is its data now, not garbage. A key hidden by a local-only
                 # unlink is kept for retention.
-                stamp, etag, moved_to = self.journal.tombstone_pin(ident)
-                if self.keys.may_delete(key):
+                stamp, etag, moved_to, keep = self.journal.tombstone_pin(ident)
+                if keep:
+                    # Overwritten here, not deleted (a rename over another node's file): its
+                    # writer is told that version is gone.
+                    await self.peers.record(stamp, key, Verdict.DELETED)
+                elif self.keys.may_delete(key):
                     # Only the version this node knew, with a record for its writer if that
                     # is another node (peers.py).
                     if await self.peers.delete(key, stamp=stamp, etag=etag, moved_to=moved_to):

@@ -73,8 +73,12 @@ class Reference:
     # The node of the last rename or removal at each path (the job's order for namespaces).
     moved_by: dict[str, int] = field(default_factory=dict)
     history: dict[str, set[int]] = field(default_factory=dict)  # contents ever at a path
-    # A marker's content -> {name in its directory: content id} when it became a marker.
-    markers: dict[int, dict[str, int]] = field(default_factory=dict)
+    # A marker's content -> (when it became a marker, {name in its directory: content id}).
+    markers: dict[int, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    # When each path got its content (a count of operations): a marker covers a file only
+    # while the file has the content it had when the marker was made.
+    arrived: dict[str, int] = field(default_factory=dict)
+    clock: int = 0
     closed_at: dict[int, str] = field(default_factory=dict)  # content id -> path at its close
     next_cid: int = 1  # the content id of the next close
     next_group: int = 1
@@ -84,7 +88,8 @@ class Reference:
                        writer=dict(self.writer), links=dict(self.links),
                        moved_by=dict(self.moved_by),
                        history={k: set(v) for k, v in self.history.items()},
-                       markers=dict(self.markers), closed_at=dict(self.closed_at))
+                       markers=dict(self.markers), closed_at=dict(self.closed_at),
+                       arrived=dict(self.arrived))
 
     # -- questions ---------------------------------------------------------------------------
 
@@ -124,6 +129,7 @@ class Reference:
             self.files[name] = cid
             self.writer[name] = node
             self.history.setdefault(name, set()).add(cid)
+            self.arrived[name] = self.clock
         if is_marker(path):
             self._marker(path)
         return cid
@@ -137,10 +143,10 @@ class Reference:
         node = self.writer.get(path)
         # Markers of different nodes do not wait for each other (docs/SEMANTICS.md): another
         # node's marker is no file this one covers.
-        self.markers[self.files[path]] = {
+        self.markers[self.files[path]] = (self.clock, {
             p[len(directory) + 1:]: c for p, c in self.files.items()
             if p.rpartition("/")[0] == directory and p != path
-            and not (is_marker(p) and self.writer.get(p) != node)}
+            and not (is_marker(p) and self.writer.get(p) != node)})
 
     def rename(self, node: int, src: str, dst: str) -> None:
         """``rename(2)`` of a file or a directory (over a file, or an empty directory)."""
@@ -164,6 +170,7 @@ class Reference:
             self.moved_by[old] = self.moved_by[new] = node
             if new in files:
                 self.history.setdefault(new, set()).add(files[new])
+                self.arrived[new] = self.clock
         for new in files:
             if is_marker(new):
                 self._marker(new, moved=True)
@@ -174,6 +181,7 @@ class Reference:
         for p in (a, b):
             self.moved_by[p] = node
             self.history.setdefault(p, set()).add(self.files[p])
+            self.arrived[p] = self.clock
             if is_marker(p):
                 self._marker(p, moved=True)
 
@@ -201,6 +209,7 @@ class Reference:
         self.files[dst] = self.files[src]
         self.writer[dst] = self.writer[src]
         self.history.setdefault(dst, set()).add(self.files[dst])
+        self.arrived[dst] = self.clock
         if is_marker(dst):
             self._marker(dst, moved=True)
 
@@ -240,6 +249,7 @@ class Reference:
         return True
 
     def apply(self, op: Op) -> None:
+        self.clock += 1
         if op.kind == "write":
             self.write(op.node, op.a)
         elif op.kind == "rename":

@@ -188,14 +188,15 @@ class Runner:
             self.violations.append(f"{key} stored with bytes never closed under that name "
                                    f"(close {cid})")
             return
-        snapshot = self.ref.markers.get(cid)
-        if not is_marker(key) or snapshot is None:
+        found = self.ref.markers.get(cid)
+        if not is_marker(key) or found is None:
             return
+        made, snapshot = found
         directory = key.rpartition("/")[0]
         for name, wanted in snapshot.items():
             path = f"{directory}/{name}"
-            if path not in self.ref.files:
-                continue  # removed or renamed since: the marker does not cover it now
+            if path not in self.ref.files or self.ref.arrived.get(path, 0) > made:
+                continue  # removed, renamed or replaced since: the marker does not cover it
             there = self.objects.get(path)
             have = None if there is None else content_id(there.body)  # type: ignore
             later = {c for c in self.ref.history.get(path, set()) if c > wanted}
@@ -269,7 +270,19 @@ class Runner:
 
     async def do(self, op: Op) -> bool:
         """Make ``op`` on its node; False if it could not be made (then the reference does
-        not apply it either, and the step says why)."""
+        not apply it either, and the step says why). A request the store failed (an error
+        injected) is what a job sees as EIO: it is made again, as a job would retry it;
+        the operations that can fail so (a rename or a removal that lists a directory, a
+        retention round) fail before they change anything, or go on where they stopped."""
+        for attempt in range(10):
+            try:
+                return await self._do(op)
+            except errors.StoreUnavailable as exc:
+                self.steps.append(f"  {op}: {exc}; again")
+                await trio.sleep(2 ** attempt)
+        return self.skip(op, "the store kept failing")
+
+    async def _do(self, op: Op) -> bool:
         node = self.nodes.get(op.node)
         k = op.kind
         try:

@@ -410,7 +410,7 @@ def _journal_of_schema(path: Path, version: int) -> None:
     # Schema 5 added stamps, pinned tombstones and deletion sweeps.
     db.execute("DROP INDEX inodes_stamp")
     db.execute("ALTER TABLE inodes DROP COLUMN stamp")
-    for column in ("stamp", "etag", "moved_to"):
+    for column in ("stamp", "etag", "moved_to", "keep"):
         db.execute(f"ALTER TABLE tombstones DROP COLUMN {column}")
     db.execute("DROP TABLE sweeps")
     db.execute("CREATE TABLE sweeps (id INTEGER PRIMARY KEY AUTOINCREMENT, old TEXT NOT NULL,"
@@ -442,7 +442,7 @@ def test_an_old_journal_is_migrated(tmp_path: Path, version: int) -> None:
     assert [journal.sweep(i) for i in journal.sweeps()] == [("a/", "b/", 0)]
     journal.add_sweep("c/", None)
     tomb = journal.add_tombstone("x", "n:r.1", "etag", "y")
-    assert journal.tombstone_pin(tomb) == ("n:r.1", "etag", "y")
+    assert journal.tombstone_pin(tomb) == ("n:r.1", "etag", "y", False)
     journal.close()
     db = sqlite3.connect(path)
     assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)

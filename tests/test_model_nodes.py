@@ -91,13 +91,20 @@ PARKED_MARKER = (2, [
 CLOCK_SKEW = (2, [
     Op("skew", 1, n=3600), Op("write", 1, "step1.tmp/b"), Op("sync", 1),
     Op("write", 0, "step1.tmp/.metadata"), Op("rename", 0, "step1.tmp", "step1")])
+# Found by the generator: a node renames a file over another node's (its object is
+# overwritten at that key, not deleted), then removes it: the first writer must not find its
+# version missing with nothing to say why.
+RENAMED_OVER_THEN_DELETED = (2, [
+    Op("write", 0, "step1/.metadata"), Op("write", 0, "step1.tmp/a"),
+    Op("rename", 1, "step1.tmp/a", "step1/.metadata"), Op("write", 0, "step1.tmp/a"),
+    Op("write", 0, "step1/a"), Op("unlink", 1, "step1/.metadata")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
          "removed-then-rewritten": REMOVED_THEN_REWRITTEN,
          "replaced-then-deleted": REPLACED_THEN_DELETED, "parked-marker": PARKED_MARKER,
-         "clock-skew": CLOCK_SKEW}
+         "clock-skew": CLOCK_SKEW, "renamed-over-then-deleted": RENAMED_OVER_THEN_DELETED}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -50,8 +50,15 @@ def _waiting_on_the_daemon(proc: subprocess.Popen[str]) -> bool:
 
 def _interrupted(*argv: str | Path) -> subprocess.CompletedProcess[str]:
     """Run ``ckptfs argv``, Ctrl-C it once it waits for the daemon; what it said."""
-    proc = subprocess.Popen([*CKPTFS, *map(str, argv)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it, whatever the test runner's own disposition (a shell
+    # running the suite in the background ignores it, and a child inherits an ignored signal:
+    # Python then installs no KeyboardInterrupt handler). A handled one is reset by exec.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*CKPTFS, *map(str, argv)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         wait_for("the command to wait on the daemon", lambda: _waiting_on_the_daemon(proc))
         proc.send_signal(signal.SIGINT)
