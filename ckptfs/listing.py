@@ -388,9 +388,13 @@ class Lister:
         # Deleted, being deleted, or deleted while this listing was on its way (the store
         # may have answered before the deletion).
         skip = self.keys.listing_skip(prefix, mark, local)
+        # Under a directory renamed or removed here whose sweep has not run yet, the store's
+        # keys are on their way away (upload.py ``_sweep``): not entries (``rm -r d; ls``
+        # would show ``d`` again, a file another node closed in it landing meanwhile).
+        swept = tuple(self.journal.sweeping())
         with self.journal.transaction():
             for name, info in remote.items():
-                if info.key in skip:
+                if info.key in skip or (swept and info.key.startswith(swept)):
                     continue
                 info = details.get(info.key, info)
                 existing = local.get(name)

@@ -113,6 +113,14 @@ def _same_version(row: Row, info: ObjectInfo) -> bool:
         row.stamp is None or info.meta.stamp is None or info.meta.stamp == row.stamp)
 
 
+def _changed_here(row: Row, mark: int) -> bool:
+    """Whether ``row`` changed on this node since the version counter stood at ``mark``: a
+    version on its way, or one written here since (a view of the store a listing brought in
+    since is no change of this node's)."""
+    return row.state not in (State.COMMITTED, State.REMOTE) or row.incomplete or (
+        row.version > mark and row.closed_at is not None)
+
+
 class NotLocal(CkptfsError):
     """An alias's upload found its head's bytes not on this node (retried with backoff)."""
 
@@ -1102,15 +1110,15 @@ class Uploader:
         return out
 
     def _held(self, key: str, mark: int) -> bool:
-        """Whether a row of this node holds ``key`` and changed since the sweep's mark (a new
-        version on its way, or written here since the rename): the key is its business."""
+        """Whether a row of this node holds ``key`` and changed here since the sweep's mark
+        (a new version on its way, or written here since the rename): the key is its
+        business."""
         for ino in self.journal.holders_of(key):
             try:
                 row = self.ns.get(ino)
             except NotFound:
                 continue
-            if row.version > mark or row.state not in (State.COMMITTED, State.REMOTE) \
-                    or row.incomplete:
+            if _changed_here(row, mark):
                 return True
         return False
 
@@ -1164,7 +1172,7 @@ class Uploader:
             except NotFound:
                 pass
             else:
-                if row.version > mark or row.state not in (State.COMMITTED, State.REMOTE):
+                if _changed_here(row, mark):
                     return False  # written or changed here after the rename: it wins
                 if row.stamp is not None and row.stamp == info.meta.stamp:
                     return True  # this very version is there already

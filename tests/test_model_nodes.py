@@ -98,13 +98,20 @@ RENAMED_OVER_THEN_DELETED = (2, [
     Op("write", 0, "step1/.metadata"), Op("write", 0, "step1.tmp/a"),
     Op("rename", 1, "step1.tmp/a", "step1/.metadata"), Op("write", 0, "step1.tmp/a"),
     Op("write", 0, "step1/a"), Op("unlink", 1, "step1/.metadata")])
+# Found by the generator: rank 0 removes a directory while another node's new version of a
+# file in it is still uploading; the removing node's listing brought the file back as an
+# entry before the sweep ran, and the sweep took that entry for a change of its own.
+REMOVED_WHILE_UPLOADING = (3, [
+    Op("write", 0, "step1/a"), Op("unlink", 2, "step1/a"), Op("kill", 2),
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("rmtree", 1, "step1")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
          "removed-then-rewritten": REMOVED_THEN_REWRITTEN,
          "replaced-then-deleted": REPLACED_THEN_DELETED, "parked-marker": PARKED_MARKER,
-         "clock-skew": CLOCK_SKEW, "renamed-over-then-deleted": RENAMED_OVER_THEN_DELETED}
+         "clock-skew": CLOCK_SKEW, "renamed-over-then-deleted": RENAMED_OVER_THEN_DELETED,
+         "removed-while-uploading": REMOVED_WHILE_UPLOADING}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
