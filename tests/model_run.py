@@ -242,7 +242,12 @@ class Runner:
                 row = await lookup(fs, where)
                 if row is None or not stat.S_ISDIR(row.mode):
                     break
-                await fs.lister.refresh(row, current=True)
+                # Until a listing succeeds: the rule is that the node sees the change (a
+                # store error injected into the listing would leave it with a stale view).
+                for attempt in range(12):
+                    if await fs.lister.refresh(row, current=True):
+                        break
+                    await trio.sleep(2 ** min(attempt, 5))
 
     # -- operations ---------------------------------------------------------------------------
 
