@@ -207,7 +207,7 @@ class Uploader:
         self.stats = UploadStats()
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
-        # Renamed directories whose sweep has not run yet: sweep id -> old prefix.
+        # Directories renamed or removed whose sweep has not run yet: id -> old prefix.
         self._sweeping: dict[int, str] = {}
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
         # Stamps of uploads, records of what this node does to other nodes' versions.
@@ -642,7 +642,8 @@ class Uploader:
                    for w in (*self._pending.values(), *self._inflight.values()))
 
     def _swept_later(self, key: str | None) -> bool:
-        """Whether ``key`` is under a renamed directory whose sweep has not run yet."""
+        """Whether ``key`` is under a directory renamed or removed here whose sweep has not
+        run yet."""
         return key is not None and any(key.startswith(old) for old in self._sweeping.values())
 
     def _waits_for_sweep(self, ino: int) -> bool:
