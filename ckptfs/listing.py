@@ -663,6 +663,10 @@ class Lister:
         row.remote_etag = info.etag
         self.ns.persist(row)
 
+    async def _entries_first(self, directory: Row, row: Row) -> None:
+        await self.refresh(row, wait=math.inf, current=True)
+        self._fresh_until.pop(directory.ino, None)
+
     def _remove(self, directory: Row, name: bytes, row: Row) -> bool:
         """Another node removed it: drop it here too (no tombstone: it is gone already). A
         name of a linked file goes alone; if it was the head's, the head takes another
@@ -673,9 +677,9 @@ class Lister:
         except NotEmpty:
             # Its entries go first: list it now (another node may have renamed it with
             # entries this node wrote; peers.py decides about them), the next listing of
-            # this directory then drops it.
+            # this directory then drops it: that listing is due at once, not a ttl later.
             if self.nursery is not None:
-                self.nursery.start_soon(self.refresh, row)
+                self.nursery.start_soon(self._entries_first, directory, row)
             return False
         except CkptfsError as exc:
             log.warning("cannot drop %r (gone from the store): %s", name, exc)

@@ -23,6 +23,7 @@ node's view and a fresh node's view equal the reference.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -30,6 +31,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +72,16 @@ _REAL_TIME = time.time
 def _skewed_time() -> float:
     node = NODE.get()
     return _REAL_TIME() + (SKEWS.get(node, 0.0) if node is not None else 0.0)
+
+
+@contextlib.contextmanager
+def as_node(i: int) -> Iterator[None]:
+    """What the runner does on node ``i`` (a request, a listing) sees node ``i``'s clock."""
+    token = NODE.set(i)
+    try:
+        yield
+    finally:
+        NODE.reset(token)
 
 
 def content_id(body: bytes) -> int | None:
@@ -116,13 +128,10 @@ class Runner:
     async def start(self, i: int) -> Node:
         tier = FaultyTier(ObservedTier(self.store, self.stored), bandwidth=BANDWIDTH, seed=i)
         boot = self.boots.setdefault(i, 1)
-        token = NODE.set(i)
-        try:
+        with as_node(i):  # the node's tasks inherit it
             node: Node = await self.nursery.start(functools.partial(
                 run_node, self.dir(i), self.store, tier=tier, node=f"n{i}",
                 boot=f"boot-{boot}", lazy=True))
-        finally:
-            NODE.reset(token)
         self.nodes[i] = node
         self.runs[i] = self.runs.get(i, 0) + 1
         self.mark_durable(i)
@@ -229,6 +238,10 @@ class Runner:
     async def refresh(self, i: int, paths: list[str]) -> None:
         """Node ``i`` lists anew the directories of ``paths`` (as a lookup would, past the
         listing's ttl)."""
+        with as_node(i):
+            await self._refresh(i, paths)
+
+    async def _refresh(self, i: int, paths: list[str]) -> None:
         fs = self.nodes[i].fs
         assert fs.lister is not None
         seen: set[str] = set()
@@ -281,7 +294,8 @@ class Runner:
         retention round) fail before they change anything, or go on where they stopped."""
         for attempt in range(10):
             try:
-                return await self._do(op)
+                with as_node(op.node):
+                    return await self._do(op)
             except errors.StoreUnavailable as exc:
                 self.steps.append(f"  {op}: {exc}; again")
                 await trio.sleep(2 ** attempt)
@@ -427,7 +441,8 @@ class Runner:
         found = self.plans.pop(op.n, None)
         if found is None or not found.actions or self.runs.get(found.node) != found.run:
             return  # nothing planned, or its node restarted since (the plan went with it)
-        result = await found.retention.apply(found.actions, found.snapshot)
+        with as_node(found.node):
+            result = await found.retention.apply(found.actions, found.snapshot)
         done = bool(result.done)
         if found.touched:
             if done:
@@ -456,26 +471,38 @@ class Runner:
             await trio.sleep(SETTINGS.metadata_ttl + 1)
             for i, node in sorted(self.nodes.items()):
                 assert node.fs.lister is not None
-                await node.fs.lister.apply_records()
-                await node.fs.lister.refresh_tree(node.fs.ns.get(ROOT_INODE), current=True)
+                with as_node(i):
+                    await node.fs.lister.apply_records()
+                    await node.fs.lister.refresh_tree(node.fs.ns.get(ROOT_INODE),
+                                                      current=True)
             for i in sorted(self.nodes):
                 await self.sync(i)
             now = {k: getattr(v, "tag", None) for k, v in self.objects.items()
                    if not k.startswith(CONTROL_PREFIX)}
+            for i, node in sorted(self.nodes.items()):  # and the views (names only)
+                now.update({f"{i}:{p}": None for p in names(node.fs)})
             if now == last:
                 return
             last = now
 
     def store_files(self) -> dict[str, bytes]:
-        return {k: v.body for k, v in self.objects.items()  # type: ignore[attr-defined]
-                if not k.startswith(CONTROL_PREFIX) and not k.endswith("/")
-                and v.meta.kind is Kind.FILE}  # type: ignore[attr-defined]
+        """Every file of the store, and every directory (its marker or a key beneath it)."""
+        files = {k: v.body for k, v in self.objects.items()  # type: ignore[attr-defined]
+                 if not k.startswith(CONTROL_PREFIX) and not k.endswith("/")
+                 and v.meta.kind is Kind.FILE}  # type: ignore[attr-defined]
+        dirs = {k for k in self.objects if k.endswith("/") and not k.startswith(CONTROL_PREFIX)}
+        for key in files:
+            parts = key.split("/")
+            dirs |= {"/".join(parts[:i]) + "/" for i in range(1, len(parts))}
+        return {**files, **{d: DIRECTORY for d in dirs}}
 
     async def check(self) -> None:
         expected = self.ref.expected()
+        expected.update({d + "/": DIRECTORY for d in self.ref.dirs})
         self.compare("the store", self.store_files(), expected)
         for i, node in sorted(self.nodes.items()):
-            self.compare(f"node {i}'s view", await view(node.fs), expected)
+            with as_node(i):
+                self.compare(f"node {i}'s view", await view(node.fs), expected)
         fresh = await self.nursery.start(functools.partial(
             run_node, self.root / "fresh", self.store, node="fresh", lazy=True,
             tier=FaultyTier(MemoryTier("warm", f"memory://{self.store}", self.store))))
@@ -496,6 +523,8 @@ class Runner:
 
 
 def _describe(body: bytes | None) -> str:
+    if body == DIRECTORY:
+        return "a directory"
     return "nothing" if body is None else f"close {content_id(body)}"
 
 
@@ -526,8 +555,30 @@ async def remove_tree(fs: Filesystem, row: Row) -> None:
     await fs.rmdir(row.parent or ROOT_INODE, row.name)
 
 
+DIRECTORY = b"<directory>"
+
+
+def names(fs: Filesystem) -> set[str]:
+    """Every path the node shows (files and ``dir/``), from its namespace as it is."""
+    out: set[str] = set()
+
+    def walk(ino: int, prefix: str) -> None:
+        for child in list(fs.ns.children(ino, 0)):
+            assert child.name is not None
+            path = prefix + os.fsdecode(child.name)
+            if stat.S_ISDIR(child.mode):
+                out.add(path + "/")
+                walk(child.ino, path + "/")
+            else:
+                out.add(path)
+
+    walk(ROOT_INODE, "")
+    return out
+
+
 async def view(fs: Filesystem) -> dict[str, bytes]:
-    """path -> bytes of every regular file the node shows, read through its core."""
+    """path -> bytes of every regular file the node shows, read through its core, and
+    ``path/`` -> DIRECTORY for every directory."""
     out: dict[str, bytes] = {}
 
     async def walk(ino: int, prefix: str) -> None:
@@ -535,6 +586,7 @@ async def view(fs: Filesystem) -> dict[str, bytes]:
             assert child.name is not None
             path = prefix + os.fsdecode(child.name)
             if stat.S_ISDIR(child.mode):
+                out[path + "/"] = DIRECTORY
                 await walk(child.ino, path + "/")
             elif stat.S_ISREG(child.mode):
                 row = await fs.lookup(ino, child.name)
