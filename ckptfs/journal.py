@@ -204,6 +204,10 @@ class Journal:
         # key back (``tombstoned_since``).
         self._tomb_seq = 0
         self._recent_tombs: dict[str, int] = {}
+        # Inodes committed (or moved, or taken from the store) while a listing was on its
+        # way, with the same sequence: a listing that began before cannot know of their
+        # objects and decides nothing about them (``committed_since``; no clock compared).
+        self._recent_commits: dict[int, int] = {}
         self._listing_marks: list[int] = []
         self._wal_named = False
         # Column values this connection last wrote per inode (``update`` writes only what
@@ -741,6 +745,17 @@ class Journal:
         self._listing_marks.remove(mark)
         oldest = min(self._listing_marks, default=self._tomb_seq)
         self._recent_tombs = {k: s for k, s in self._recent_tombs.items() if s > oldest}
+        self._recent_commits = {k: s for k, s in self._recent_commits.items() if s > oldest}
+
+    def note_committed(self, ino: int) -> None:
+        """``ino``'s object was just written, moved or taken from the store."""
+        self._tomb_seq += 1
+        if self._listing_marks:
+            self._recent_commits[ino] = self._tomb_seq
+
+    def committed_since(self, ino: int, mark: int) -> bool:
+        """Whether ``ino`` was committed after the listing that took ``mark`` began."""
+        return self._recent_commits.get(ino, 0) > mark
 
     def tombstoned_since(self, prefix: str, mark: int) -> set[str]:
         """Keys under ``prefix`` tombstoned, or deleted from the store, after ``mark``."""

@@ -376,7 +376,7 @@ class Lister:
         heads = [info for name, info in remote.items()
                  if not info.meta_known and self._needs_meta(before.get(name), info)]
         details = await self._head_all(heads)
-        lost = self._lost_candidates(prefix, remote, before, started)
+        lost = self._lost_candidates(prefix, remote, before, mark)
         verdicts, used = await self.peers.judge(lost)
         acted: set[str] = set()  # keys whose record was acted on: those records go
         # From here on nothing is awaited: the journal changes in one go. Everything the
@@ -414,7 +414,7 @@ class Lister:
                 if name in remote and remote[name].key not in skip:
                     continue
                 key = self._key_of(prefix, name, row)
-                if not self._settled(row, key) or (row.committed_at or 0.0) >= started:
+                if not self._settled(row, key) or self.journal.committed_since(row.ino, mark):
                     continue
                 judged = lost.get(key)
                 verdict = verdicts.get(key) if judged is not None and \
@@ -449,7 +449,7 @@ class Lister:
             row.state is not State.REMOTE and self.ns.kernel(row).state is not State.REMOTE
 
     def _lost_candidates(self, prefix: str, remote: dict[bytes, ObjectInfo],
-                         local: dict[bytes, Row], started: float) -> dict[str, Row]:
+                         local: dict[bytes, Row], mark: int) -> dict[str, Row]:
         """Entries written here, with their local copy, that this listing misses (what would
         be uploaded again), by key: peers.py judges why they are missing."""
         out: dict[str, Row] = {}
@@ -457,7 +457,7 @@ class Lister:
             if name in remote:
                 continue
             key = self._key_of(prefix, name, row)
-            if self._settled(row, key) and (row.committed_at or 0.0) < started \
+            if self._settled(row, key) and not self.journal.committed_since(row.ino, mark) \
                     and self._holds_copy(row):
                 out[key] = row
         return out
@@ -591,6 +591,7 @@ class Lister:
             version=self.journal.next_version(),
         )
         self.journal.insert(row)
+        self.journal.note_committed(row.ino)
 
     def take(self, row: Row, info: ObjectInfo) -> bool:
         """``row``, a view of the object at ``info.key``, takes the version ``info`` describes
@@ -638,6 +639,7 @@ class Lister:
         row.version = self.journal.next_version()
         row.closed_at = None  # another node's version now, known from the store
         self.ns.persist(row)
+        self.journal.note_committed(row.ino)
 
     def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
         """Another node changed a special file's metadata (chmod, chown, touch): take it.
@@ -664,8 +666,18 @@ class Lister:
         self.ns.persist(row)
 
     async def _entries_first(self, directory: Row, row: Row) -> None:
+        """A directory whose key is gone from the store still has entries here: they are
+        decided first (a listing of it). If some stay (written here since, or still on their
+        way to the store), the directory they are in is put in the store again; otherwise
+        its parent is listed again at once, which drops it."""
         await self.refresh(row, wait=math.inf, current=True)
-        self._fresh_until.pop(directory.ino, None)
+        key = self.keys.key_of(row)
+        if key is not None and self.journal.has_children(row.ino) and \
+                self._settled(row, key):
+            log.info("%s: gone from the store, but files here are in it: put again", key)
+            self._on_lost(row)
+        else:
+            self._fresh_until.pop(directory.ino, None)
 
     def _remove(self, directory: Row, name: bytes, row: Row) -> bool:
         """Another node removed it: drop it here too (no tombstone: it is gone already). A

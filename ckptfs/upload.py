@@ -922,6 +922,7 @@ class Uploader:
             row.stamp = stamp
             row.tiers = self.tier.name
             row.committed_at = time.time()
+            self.journal.note_committed(row.ino)
         else:
             # Rewritten while it uploaded: the object is a version no row holds.
             row.stamp, row.remote_etag = stamp, etag
@@ -1017,6 +1018,7 @@ class Uploader:
                 raise NotEmptyYet(f"{old_key}: a newer version to move, the row is busy")
         row.remote_key = key
         row.uploading_key = None
+        self.journal.note_committed(row.ino)  # at a key a listing on its way may not show
         if tag is not None:
             row.remote_etag = tag
         with self.journal.transaction():
@@ -1132,6 +1134,7 @@ class Uploader:
             except NotFound:
                 continue
             same = _same_version(row, info)
+            self.journal.note_committed(row.ino)
             with self.journal.transaction():
                 row.remote_key = target
                 self.ns.persist(row)
@@ -1299,6 +1302,7 @@ class Uploader:
             else State.STAGED
         row.tiers = self.tier.name
         row.committed_at = time.time()
+        self.journal.note_committed(row.ino)
         with self.journal.transaction():
             self.ns.persist(row)
             if old_key and old_key != target_key:

@@ -152,6 +152,7 @@ async def run_node(
                 await nursery.start(coordinator.run)
                 assert fs.fetcher is not None and fs.lister is not None
                 fs.fetcher.nursery = nursery
+                fs.lister.nursery = nursery  # as mount.py: listings a lookup stopped waiting for
                 # As mount.py: what other nodes did to this node's files (peers.py).
                 nursery.start_soon(fs.lister.run_records)
                 started = Node(coordinator.node, fs, tier, uploader, coordinator, scope,

@@ -104,6 +104,17 @@ RENAMED_OVER_THEN_DELETED = (2, [
 REMOVED_WHILE_UPLOADING = (3, [
     Op("write", 0, "step1/a"), Op("unlink", 2, "step1/a"), Op("kill", 2),
     Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("rmtree", 1, "step1")])
+# Found by the generator, once directories were compared: a node writes again into a
+# directory another node removed, before its listing dropped it; the directory must come back
+# in the store, and one that another node removed with every file in it must go from every
+# node's view (with that node's clock stepped back meanwhile).
+WRITTEN_INTO_REMOVED = (2, [
+    Op("write", 0, "step1/a"), Op("rmtree", 1, "step1"), Op("write", 0, "step1/a"),
+    Op("write", 0, "step1/a"), Op("pause", n=1), Op("unlink", 0, "step1/a"),
+    Op("write", 0, "step1/a"), Op("unlink", 0, "step1/a")])
+SUBDIRECTORY_REMOVED = (2, [
+    Op("write", 1, "step1/m/a"), Op("rmtree", 0, "step1"), Op("sync", 0),
+    Op("write", 0, "step1/a"), Op("skew", 1, n=-3600)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -111,7 +122,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "removed-then-rewritten": REMOVED_THEN_REWRITTEN,
          "replaced-then-deleted": REPLACED_THEN_DELETED, "parked-marker": PARKED_MARKER,
          "clock-skew": CLOCK_SKEW, "renamed-over-then-deleted": RENAMED_OVER_THEN_DELETED,
-         "removed-while-uploading": REMOVED_WHILE_UPLOADING}
+         "removed-while-uploading": REMOVED_WHILE_UPLOADING,
+         "written-into-removed": WRITTEN_INTO_REMOVED,
+         "subdirectory-removed": SUBDIRECTORY_REMOVED}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
