@@ -410,6 +410,8 @@ class Lister:
                     self._maybe_update(existing, info)
                 elif self._clean(existing, info.key) and is_special(existing.mode):
                     self._maybe_update_special(existing, info)
+                elif self._recoverable(existing, info):
+                    self._recover(existing, info)
             for name, row in local.items():
                 if name in remote and remote[name].key not in skip:
                     continue
@@ -501,7 +503,8 @@ class Lister:
             # whatever its metadata: a chmod, chown or touch on another node keeps the tag.
             # So its metadata is read at every refresh (special files are few).
             return self._clean(row, info.key)
-        return self._clean(row, info.key) and (info.etag is None or info.etag != row.remote_etag)
+        return (self._clean(row, info.key) and (info.etag is None or info.etag != row.remote_etag)
+                or self._recoverable(row, None))
 
     async def _head_all(self, infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
         found: dict[str, ObjectInfo] = {}
@@ -641,6 +644,28 @@ class Lister:
         self.ns.persist(row)
         self.journal.note_committed(row.ino)
 
+    def _recoverable(self, row: Row, info: ObjectInfo | None) -> bool:
+        """Whether ``row`` is a file of this node that came back incomplete (a power loss
+        took its data, or its writer died) while the store holds a version this node wrote
+        of it (``info``, its metadata read; None: not read yet): that version is all that is
+        left of the file, complete and committed, and it is taken instead."""
+        return (row.incomplete and stat.S_ISREG(row.mode) and not self._is_busy(row.ino)
+                and not self.ns.is_linked(row)
+                and (info is None or (info.meta_known and info.meta.kind is Kind.FILE
+                                      and self.peers.own(info.meta.stamp))))
+
+    def _recover(self, row: Row, info: ObjectInfo) -> None:
+        log.warning("%s: came back incomplete here; the version this node committed to the "
+                    "store before is taken (%d bytes)", info.key, info.size)
+        row.incomplete = False
+        # Nothing of it kept: _maybe_update drops the local data and takes the rest.
+        row.state = State.COMMITTED
+        row.remote_key = info.key
+        row.checksum = row.remote_etag = None
+        self._maybe_update(row, info)
+        row.closed_at = row.committed_at = time.time()  # this node's version, as before
+        self.ns.persist(row)
+
     def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
         """Another node changed a special file's metadata (chmod, chown, touch): take it.
         It has no data, so there is nothing to drop."""
@@ -667,17 +692,25 @@ class Lister:
 
     async def _entries_first(self, directory: Row, row: Row) -> None:
         """A directory whose key is gone from the store still has entries here: they are
-        decided first (a listing of it). If some stay (written here since, or still on their
-        way to the store), the directory they are in is put in the store again; otherwise
-        its parent is listed again at once, which drops it."""
-        await self.refresh(row, wait=math.inf, current=True)
+        decided first (a listing of it and of every directory below). If a file stays
+        beneath it (written here since, or still on its way to the store), the directory is
+        put in the store again; otherwise its parent is listed again at once, which drops it
+        once its empty subdirectories went the same way."""
+        await self.refresh_tree(row, current=True)
         key = self.keys.key_of(row)
-        if key is not None and self.journal.has_children(row.ino) and \
-                self._settled(row, key):
+        if key is not None and self._settled(row, key) and self._holds_entries(row):
             log.info("%s: gone from the store, but files here are in it: put again", key)
             self._on_lost(row)
         else:
             self._fresh_until.pop(directory.ino, None)
+
+    def _holds_entries(self, row: Row) -> bool:
+        """Whether anything but directories is beneath the directory ``row``."""
+        for ino in self.journal.descendants(row.ino):
+            found = self.journal.get(ino)
+            if found is not None and not stat.S_ISDIR(found.mode):
+                return True
+        return False
 
     def _remove(self, directory: Row, name: bytes, row: Row) -> bool:
         """Another node removed it: drop it here too (no tombstone: it is gone already). A

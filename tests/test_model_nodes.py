@@ -115,6 +115,16 @@ WRITTEN_INTO_REMOVED = (2, [
 SUBDIRECTORY_REMOVED = (2, [
     Op("write", 1, "step1/m/a"), Op("rmtree", 0, "step1"), Op("sync", 0),
     Op("write", 0, "step1/a"), Op("skew", 1, n=-3600)])
+# Found by the generator: a directory another node renamed, with a subdirectory in it: the
+# node that wrote them put the parent back before its empty subdirectory went.
+RENAMED_WITH_A_SUBDIRECTORY = (2, [
+    Op("write", 1, "step1/a"), Op("write", 0, "step2/m/a"),
+    Op("rename", 1, "step2", "step1.tmp"), Op("write", 0, "step1/a")])
+# Found by the generator: a power loss rolled a node's journal back past the commit of a
+# file's version: the file came back incomplete while the store held that version.
+POWER_LOSS_AFTER_COMMIT = (2, [
+    Op("write", 0, "step1/a"), Op("kill", 0), Op("write", 0, "step1/a"), Op("pause", n=1),
+    Op("power", 0)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -124,7 +134,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "clock-skew": CLOCK_SKEW, "renamed-over-then-deleted": RENAMED_OVER_THEN_DELETED,
          "removed-while-uploading": REMOVED_WHILE_UPLOADING,
          "written-into-removed": WRITTEN_INTO_REMOVED,
-         "subdirectory-removed": SUBDIRECTORY_REMOVED}
+         "subdirectory-removed": SUBDIRECTORY_REMOVED,
+         "renamed-with-a-subdirectory": RENAMED_WITH_A_SUBDIRECTORY,
+         "power-loss-after-commit": POWER_LOSS_AFTER_COMMIT}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
