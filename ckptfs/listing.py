@@ -692,25 +692,10 @@ class Lister:
 
     async def _entries_first(self, directory: Row, row: Row) -> None:
         """A directory whose key is gone from the store still has entries here: they are
-        decided first (a listing of it and of every directory below). If a file stays
-        beneath it (written here since, or still on its way to the store), the directory is
-        put in the store again; otherwise its parent is listed again at once, which drops it
-        once its empty subdirectories went the same way."""
+        decided first (a listing of it and of every directory below), then its parent is
+        listed again at once, which drops it if they went."""
         await self.refresh_tree(row, current=True)
-        key = self.keys.key_of(row)
-        if key is not None and self._settled(row, key) and self._holds_entries(row):
-            log.info("%s: gone from the store, but files here are in it: put again", key)
-            self._on_lost(row)
-        else:
-            self._fresh_until.pop(directory.ino, None)
-
-    def _holds_entries(self, row: Row) -> bool:
-        """Whether anything but directories is beneath the directory ``row``."""
-        for ino in self.journal.descendants(row.ino):
-            found = self.journal.get(ino)
-            if found is not None and not stat.S_ISDIR(found.mode):
-                return True
-        return False
+        self._fresh_until.pop(directory.ino, None)
 
     def _remove(self, directory: Row, name: bytes, row: Row) -> bool:
         """Another node removed it: drop it here too (no tombstone: it is gone already). A

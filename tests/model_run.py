@@ -242,6 +242,20 @@ class Runner:
             await self._refresh(i, paths)
 
     async def _refresh(self, i: int, paths: list[str]) -> None:
+        # Until the node's view no longer shows what the job removed there: a directory whose
+        # entries are decided first goes at a second listing (listing.py ``_entries_first``).
+        for _ in range(10):
+            await self._refresh_once(i, paths)
+            shown = names(self.nodes[i].fs)
+            around = {"/".join(p.split("/")[:n]) for p in paths if p
+                      for n in range(1, p.count("/") + 2)}
+            gone = [p for p in around for q in (p, p + "/")
+                    if q in shown and p not in self.ref.files and p not in self.ref.dirs]
+            if not gone:
+                return
+            await trio.sleep(SETTINGS.metadata_ttl + 1)
+
+    async def _refresh_once(self, i: int, paths: list[str]) -> None:
         fs = self.nodes[i].fs
         assert fs.lister is not None
         seen: set[str] = set()

@@ -104,10 +104,10 @@ RENAMED_OVER_THEN_DELETED = (2, [
 REMOVED_WHILE_UPLOADING = (3, [
     Op("write", 0, "step1/a"), Op("unlink", 2, "step1/a"), Op("kill", 2),
     Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("rmtree", 1, "step1")])
-# Found by the generator, once directories were compared: a node writes again into a
-# directory another node removed, before its listing dropped it; the directory must come back
-# in the store, and one that another node removed with every file in it must go from every
-# node's view (with that node's clock stepped back meanwhile).
+# Found by the generator, once directories were compared: a directory another node removed,
+# whose entries here had to be decided first, stayed in this node's view until its listing's
+# ttl (the node then wrote into it as if it still existed); and one removed with every file
+# in it stayed in the view of a node whose clock stepped back meanwhile.
 WRITTEN_INTO_REMOVED = (2, [
     Op("write", 0, "step1/a"), Op("rmtree", 1, "step1"), Op("write", 0, "step1/a"),
     Op("write", 0, "step1/a"), Op("pause", n=1), Op("unlink", 0, "step1/a"),
