@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from tests.model_ref import Op, programs
 from tests.model_run import run_program
 
-EXAMPLES = int(os.environ.get("CKPTFS_TEST_MODEL_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("CKPTFS_TEST_MODEL_EXAMPLES", "50"))
 SEED = int(os.environ.get("CKPTFS_TEST_MODEL_SEED", "28"))
 
 
