@@ -249,6 +249,9 @@ class Runner:
             shown = names(self.nodes[i].fs)
             around = {"/".join(p.split("/")[:n]) for p in paths if p
                       for n in range(1, p.count("/") + 2)}
+            # ... and below them (a directory renamed or removed carries its subtree).
+            around |= {q.rstrip("/") for q in shown for p in paths if p
+                       and q.startswith(p + "/")}
             gone = [p for p in around for q in (p, p + "/")
                     if q in shown and p not in self.ref.files and p not in self.ref.dirs]
             if not gone:

@@ -125,6 +125,11 @@ RENAMED_WITH_A_SUBDIRECTORY = (2, [
 POWER_LOSS_AFTER_COMMIT = (2, [
     Op("write", 0, "step1/a"), Op("kill", 0), Op("write", 0, "step1/a"), Op("pause", n=1),
     Op("power", 0)])
+# Found by the generator: a node renames a directory another node removed (and wrote into
+# again) while its own view still holds the removed file.
+RENAME_OF_A_REMOVED_DIRECTORY = (2, [
+    Op("write", 1, "step2/m/a"), Op("rmtree", 0, "step2"), Op("write", 0, "step2/a"),
+    Op("rename", 1, "step2", "step1")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -136,7 +141,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "written-into-removed": WRITTEN_INTO_REMOVED,
          "subdirectory-removed": SUBDIRECTORY_REMOVED,
          "renamed-with-a-subdirectory": RENAMED_WITH_A_SUBDIRECTORY,
-         "power-loss-after-commit": POWER_LOSS_AFTER_COMMIT}
+         "power-loss-after-commit": POWER_LOSS_AFTER_COMMIT,
+         "rename-of-a-removed-directory": RENAME_OF_A_REMOVED_DIRECTORY}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
