@@ -57,6 +57,10 @@ ROOT_INODE = 1
 SCHEMA_VERSION = 5
 
 
+class NameTaken(Exception):
+    """An insert named an entry its directory already has (the UNIQUE (parent, name) rule)."""
+
+
 class State(enum.StrEnum):
     OPEN = "open"
     STAGED = "staged"
@@ -440,9 +444,16 @@ class Journal:
         )
 
     def insert(self, row: Row) -> Row:
-        """Insert ``row`` (its ``ino`` is ignored) and return it with the new inode number."""
+        """Insert ``row`` (its ``ino`` is ignored) and return it with the new inode number.
+        NameTaken if its directory has an entry of that name (the statement is undone; an
+        enclosing transaction goes on)."""
         values = _values(row)
-        cur = self._db.execute(_INSERT, values)
+        try:
+            cur = self._db.execute(_INSERT, values)
+        except sqlite3.IntegrityError as exc:
+            if "inodes.parent, inodes.name" in str(exc):
+                raise NameTaken(row.name or b"") from None
+            raise
         assert cur.lastrowid is not None
         row.ino = cur.lastrowid
         self._remember(row.ino, values)

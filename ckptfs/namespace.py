@@ -45,7 +45,7 @@ from ckptfs.errors import (
     NotFound,
     NotPermitted,
 )
-from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.journal import ROOT_INODE, Journal, NameTaken, Row, State
 from ckptfs.storetrust import is_special
 from ckptfs.tiers.base import CONTROL_PREFIX
 
@@ -235,8 +235,6 @@ class Namespace:
         parent_row = self.get(parent)
         if not stat.S_ISDIR(parent_row.mode):
             raise NotADirectory(f"inode {parent}")
-        if self.journal.lookup(parent, name) is not None:
-            raise AlreadyExists(name.decode(errors="replace"))
         if parent_row.mode & stat.S_ISGID:
             # BSD group semantics of a setgid directory, as every Linux filesystem does.
             gid = parent_row.gid
@@ -250,9 +248,14 @@ class Namespace:
             closed_at=None if state is State.OPEN else time.time(), rdev=rdev,
             version=self.journal.next_version(),
         )
-        with self.journal.transaction():
-            self.journal.insert(row)
-            self._touch_dir(parent_row, now)
+        try:
+            # No lookup first: the UNIQUE (parent, name) rule finds a taken name in the insert
+            # itself (one statement fewer per create; the kernel looked the name up already).
+            with self.journal.transaction():
+                self.journal.insert(row)
+                self._touch_dir(parent_row, now)
+        except NameTaken:
+            raise AlreadyExists(name.decode(errors="replace")) from None
         self._rows[row.ino] = row
         return row
 
