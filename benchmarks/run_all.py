@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     from questions import common
 
     common.CKPTFS_SRC = args.ckptfs_src.resolve()
-    common.control()  # import ckptfs.client from there now, before any question's thread
+    common.control()  # import ckptfs.ops.client from there now, before any question's thread
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ckptfs-run-all-", dir=args.workdir))

@@ -1,3 +1,3 @@
-from ckptfs.cli import main
+from ckptfs.ops.cli import main
 
 main()

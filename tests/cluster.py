@@ -15,16 +15,16 @@ from pathlib import Path
 import trio
 
 from ckptfs import errors
+from ckptfs.cluster.coordination import Coordinator, node_id, node_token
+from ckptfs.cluster.noderun import NodeRun
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.coordination import Coordinator, node_id, node_token
-from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
-from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.noderun import NodeRun
-from ckptfs.staging import Staging
-from ckptfs.tiers.base import ObjectMeta, Progress, Tier
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.upload import Uploader
+from ckptfs.engine.fs import ROOT_CALLER, Filesystem, ReadSettings
+from ckptfs.engine.upload import Uploader
+from ckptfs.state.journal import ROOT_INODE, Journal, State
+from ckptfs.state.staging import Staging
+from ckptfs.store.tiers.base import ObjectMeta, Progress, Tier
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier
 
 SETTINGS = ReadSettings(metadata_ttl=5.0, fetch_block_size=256 * 1024, fetch_concurrency=4,
                         readahead_bytes=1024 * 1024)

@@ -38,14 +38,14 @@ from pathlib import Path
 import trio
 
 from ckptfs import errors
-from ckptfs.checkpoints import HOT
 from ckptfs.config import DEFAULT_COMMIT_MARKERS, KeepRules
-from ckptfs.fs import Filesystem
-from ckptfs.journal import ROOT_INODE, Row
-from ckptfs.retention import Action, Policy, Retention, Snapshot, TierPolicy, plan
-from ckptfs.tiers.base import CONTROL_PREFIX, Kind
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, store_named
+from ckptfs.engine.fs import Filesystem
+from ckptfs.lifecycle.checkpoints import HOT
+from ckptfs.lifecycle.retention import Action, Policy, Retention, Snapshot, TierPolicy, plan
+from ckptfs.state.journal import ROOT_INODE, Row
+from ckptfs.store.tiers.base import CONTROL_PREFIX, Kind
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
 from tests.cluster import (
     SETTINGS,
     Node,

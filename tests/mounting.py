@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptfs.mountinfo import find
+from ckptfs.fuse.mountinfo import find
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 # CKPTFS_TEST_PASSTHROUGH=off (or on, auto) runs every mount made here with that passthrough

@@ -10,7 +10,7 @@ from typing import Any
 
 import crc32c
 
-from ckptfs.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.base import CONTROL_PREFIX
 from tests.mounting import tiers_config
 from tests.s3server import S3Server
 from tests.seaweed import Seaweed

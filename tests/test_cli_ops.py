@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.cli import _JsonRedacting, _log_handler
+from ckptfs.cluster.coordination import NODE_TOKEN_FILE
 from ckptfs.config import format_duration, load_config, parse_duration, to_toml
-from ckptfs.coordination import NODE_TOKEN_FILE
 from ckptfs.errors import UserError
-from ckptfs.mounthelper import mount_command, parse_helper_args, parse_options
+from ckptfs.ops.cli import _JsonRedacting, _log_handler
+from ckptfs.ops.mounthelper import mount_command, parse_helper_args, parse_options
 from tests.mounting import Mounter, ckptfs, status
 from tests.test_cli_errors import assert_nothing_left, assert_user_error
 
@@ -140,7 +140,7 @@ def test_mount_with_a_bad_s3_flag_fails_in_one_line(tmp_path: Path) -> None:
 
 
 def _record(message: str, *args: object, exc: bool = False,
-            logger: str = "ckptfs.upload") -> logging.LogRecord:
+            logger: str = "ckptfs.engine.upload") -> logging.LogRecord:
     exc_info = None
     if exc:
         try:
@@ -156,7 +156,7 @@ def test_json_log_lines_are_objects_with_credentials_redacted() -> None:
     assert "\n" not in line
     event = json.loads(line)
     assert set(event) == {"time", "level", "logger", "message"}
-    assert event["level"] == "WARNING" and event["logger"] == "ckptfs.upload"
+    assert event["level"] == "WARNING" and event["logger"] == "ckptfs.engine.upload"
     assert event["message"] == 'upload of "step_1/a" failed: Denied\nsecond line'
     assert event["time"].endswith("Z") and "T" in event["time"]
     # The AWS SDK's records (request headers at debug) are masked, tracebacks included.

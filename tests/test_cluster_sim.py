@@ -26,10 +26,10 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.coordination import BARRIERS
-from ckptfs.tiers.base import CONTROL_PREFIX
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import store_named
+from ckptfs.cluster.coordination import BARRIERS
+from ckptfs.store.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import store_named
 from tests.cluster import Node, ObservedTier, run_node
 
 NODES = 64

@@ -57,12 +57,12 @@ import trio
 import trio.testing
 
 from ckptfs import errors
-from ckptfs.fs import Filesystem
-from ckptfs.integrity import format_crc
-from ckptfs.journal import ROOT_INODE, State
-from ckptfs.tiers.base import CONTROL_PREFIX
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import store_named
+from ckptfs.engine.fs import Filesystem
+from ckptfs.state.journal import ROOT_INODE, State
+from ckptfs.store.integrity import format_crc
+from ckptfs.store.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import store_named
 from tests.cluster import Node, ObservedTier, durable_point, power_loss, run_node, write_file
 
 NODES = int(os.environ.get("CKPTFS_SIM_NODES", "64"))

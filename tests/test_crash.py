@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, is_mounted, wait_dead, wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.slow, pytest.mark.both_modes]

@@ -14,12 +14,12 @@ import pytest
 import trio
 
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.fs import RENAME_EXCHANGE
-from ckptfs.journal import ROOT_INODE, Row, State
-from ckptfs.keys import PARKING_PREFIX
-from ckptfs.staging import Staging
-from ckptfs.tiers.memory import MemoryTier, store_named
-from ckptfs.upload import is_marker
+from ckptfs.engine.fs import RENAME_EXCHANGE
+from ckptfs.engine.keys import PARKING_PREFIX
+from ckptfs.engine.upload import is_marker
+from ckptfs.state.journal import ROOT_INODE, Row, State
+from ckptfs.state.staging import Staging
+from ckptfs.store.tiers.memory import MemoryTier, store_named
 from tests.test_read_path import node
 
 DATA = os.urandom(700_000)  # several fetch blocks (256 KiB)
@@ -179,7 +179,7 @@ async def test_a_big_removed_file_is_unlinked_in_a_thread_and_its_space_wakes_a_
     unlinked in a worker thread. A writer short of space meanwhile, with nothing to evict and
     the store down (so no upload progress will come), gets the space once the unlink
     returned, not before and not never."""
-    monkeypatch.setattr("ckptfs.fs.UNLINK_IN_BACKGROUND", 100_000)
+    monkeypatch.setattr("ckptfs.engine.fs.UNLINK_IN_BACKGROUND", 100_000)
     n = 200_000
     async with node(tmp_path / "a", store, max_bytes=2 * n) as a:
         a.tier.down = True

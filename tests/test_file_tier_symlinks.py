@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, PreconditionFailed, TierError
-from ckptfs.tiers.local import TMP_MARK, FileTier, SymlinkInStore
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.tiers.transfer import copy_object
-from ckptfs.upload import file_checksum
+from ckptfs.engine.upload import file_checksum
+from ckptfs.store.tiers.base import Kind, ObjectMeta, ObjectMissing, PreconditionFailed, TierError
+from ckptfs.store.tiers.local import TMP_MARK, FileTier, SymlinkInStore
+from ckptfs.store.tiers.memory import MemoryTier
+from ckptfs.store.tiers.transfer import copy_object
 
 SECRET = b"outside the store: never read, written or deleted"
 META = ObjectMeta(Kind.FILE, 0o640, 1_700_000_000_000_000_000, os.getuid(), os.getgid(),

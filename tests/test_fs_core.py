@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from ckptfs import errors
-from ckptfs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_CALLER, Filesystem
-from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.staging import Staging
+from ckptfs.engine.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_CALLER, Filesystem
+from ckptfs.state.journal import ROOT_INODE, Journal, State
+from ckptfs.state.staging import Staging
 
 ROOT = ROOT_INODE
 

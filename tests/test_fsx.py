@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from ckptfs.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs
 
 pytestmark = pytest.mark.mount

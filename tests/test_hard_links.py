@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import trio
 
+from ckptfs.engine.fs import ROOT_CALLER
 from ckptfs.errors import NotPermitted
-from ckptfs.fs import ROOT_CALLER
-from ckptfs.journal import ROOT_INODE, SCHEMA_VERSION, Journal, Row, State
-from ckptfs.staging import Staging
-from ckptfs.tiers.base import Kind
-from ckptfs.tiers.memory import MemoryTier
+from ckptfs.state.journal import ROOT_INODE, SCHEMA_VERSION, Journal, Row, State
+from ckptfs.state.staging import Staging
+from ckptfs.store.tiers.base import Kind
+from ckptfs.store.tiers.memory import MemoryTier
 from tests.mounting import Mounter, sync
 from tests.test_retention_settle import node as retention_node
 from tests.test_retention_sim import write

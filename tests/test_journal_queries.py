@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptfs.journal import Journal, _prefix_end
+from ckptfs.state.journal import Journal, _prefix_end
 
 # Keys as the store has them: any code point SQLite can hold (no lone surrogates).
 TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=6)

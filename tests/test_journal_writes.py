@@ -1,5 +1,5 @@
 """The journal's WAL is checkpointed by a worker thread, not inside the loop's commits
-(ckptfs/walcheckpoint.py; issue 19, item 1), and ``Journal.update`` writes only the columns
+(ckptfs/state/walcheckpoint.py; issue 19, item 1), and ``Journal.update`` writes only the columns
 that changed, never fewer than a rollback undid."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptfs.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.state.journal import ROOT_INODE, Journal, Row, State
 
 
 def new_row(i: int) -> Row:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs.fs import ROOT_CALLER, Filesystem
-from ckptfs.journal import ROOT_INODE
+from ckptfs.engine.fs import ROOT_CALLER, Filesystem
+from ckptfs.state.journal import ROOT_INODE
 from tests.test_fs_core import close_fs, open_fs
 
 

@@ -1,4 +1,4 @@
-"""The daemon's loop watch (ckptfs/loopwatch.py): stalls of the trio loop and full garbage
+"""The daemon's loop watch (ckptfs/ops/loopwatch.py): stalls of the trio loop and full garbage
 collections are seen, and the recent window forgets old ones. Real clock: the watch measures
 real time on purpose (the bounds below are lower bounds, safe on a loaded machine)."""
 
@@ -9,7 +9,7 @@ import time
 
 import trio
 
-from ckptfs.loopwatch import LoopWatch
+from ckptfs.ops.loopwatch import LoopWatch
 
 
 async def test_a_blocked_loop_is_seen_as_a_stall() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import controlsocket
 from ckptfs.errors import UserError
+from ckptfs.ops import controlsocket
 from tests.mounting import Mounter, ckptfs, wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.both_modes]

@@ -15,10 +15,10 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.coordination import ACKS, BARRIERS, NODES, DuplicateNode
-from ckptfs.fs import ROOT_CALLER
-from ckptfs.journal import ROOT_INODE
-from ckptfs.tiers.memory import store_named
+from ckptfs.cluster.coordination import ACKS, BARRIERS, NODES, DuplicateNode
+from ckptfs.engine.fs import ROOT_CALLER
+from ckptfs.state.journal import ROOT_INODE
+from ckptfs.store.tiers.memory import store_named
 from tests.cluster import make_tier, run_node
 
 

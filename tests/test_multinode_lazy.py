@@ -19,11 +19,11 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.coordination import ACKS, HEARTBEAT, NODES, SLOW_ACK
+from ckptfs.cluster.coordination import ACKS, HEARTBEAT, NODES, SLOW_ACK
 from ckptfs.errors import StoreUnavailable
-from ckptfs.journal import ROOT_INODE
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, store_named
+from ckptfs.state.journal import ROOT_INODE
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
 from tests.cluster import make_tier, run_node
 
 

@@ -18,11 +18,11 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.coordination import NODES
-from ckptfs.fs import ROOT_CALLER
-from ckptfs.journal import ROOT_INODE
-from ckptfs.noderun import HOLD_FILE, RUN_FILE, NodeRun
-from ckptfs.tiers.memory import store_named
+from ckptfs.cluster.coordination import NODES
+from ckptfs.cluster.noderun import HOLD_FILE, RUN_FILE, NodeRun
+from ckptfs.engine.fs import ROOT_CALLER
+from ckptfs.state.journal import ROOT_INODE
+from ckptfs.store.tiers.memory import store_named
 from tests.cluster import Node, durable_point, make_tier, power_loss, run_node
 from tests.mounting import Mounter, ckptfs
 from tests.mounting import status as mounting_status

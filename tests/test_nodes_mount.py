@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.coordination import NODES
-from ckptfs.mountinfo import find
+from ckptfs.cluster.coordination import NODES
+from ckptfs.fuse.mountinfo import find
 from tests.mounting import Mounter, ckptfs, is_mounted, status, sync, wait_dead, wait_for
 from tests.s3bucket import PREFIX, Bucket
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.offline_evict import evict_offline
-from ckptfs.staging import Staging
+from ckptfs.lifecycle.offline_evict import evict_offline
+from ckptfs.state.staging import Staging
 from tests.mounting import Mount, Mounter, Tmpfs, ckptfs, is_mounted, sync, tiers_config
 from tests.payload import Payload
 

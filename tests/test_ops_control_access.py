@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from ckptfs import control, controlsocket
+from ckptfs.ops import control, controlsocket
 from tests.mounting import Mount, Mounter, ckptfs, mounter_in
 from tests.test_cli_errors import assert_user_error
 

@@ -1,4 +1,4 @@
-"""mount(8) integration (mount/, ckptfs/mounthelper.py): options, fstab, the installed helper.
+"""mount(8) integration (mount/, ckptfs/ops/mounthelper.py): options, fstab, the installed helper.
 
 The option parsing is tested directly; then the real thing: a temporary fstab file mounted
 with ``mount -T FILE DIR`` (which runs the installed /sbin/mount.ckptfs) and unmounted with
@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from ckptfs.errors import UserError
-from ckptfs.mounthelper import (
+from ckptfs.fuse.mountinfo import find
+from ckptfs.ops.mounthelper import (
     format_option,
     mount_command,
     parse_helper_args,
     parse_options,
     split_options,
 )
-from ckptfs.mountinfo import find
 from tests.mounting import ckptfs, is_mounted, wait_dead
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,7 +135,7 @@ def test_mount_command(tmp_path: Path) -> None:
 
 
 def _helper(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptfs.mounthelper", *args],
+    return subprocess.run([sys.executable, "-m", "ckptfs.ops.mounthelper", *args],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
 
 
@@ -181,7 +181,7 @@ def test_example_config_is_valid() -> None:
 def fstab_mount(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mount -T needs root")
-    if not HELPER.exists() or "ckptfs.mounthelper" not in HELPER.read_text():
+    if not HELPER.exists() or "ckptfs.ops.mounthelper" not in HELPER.read_text():
         pytest.fail(f"{HELPER} is not installed: run scripts/install.sh (or mount/install.sh)")
     mnt = tmp_path / "mnt"
     mnt.mkdir()

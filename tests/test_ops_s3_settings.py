@@ -19,9 +19,9 @@ import trio
 
 from ckptfs.config import load_config
 from ckptfs.errors import UserError
-from ckptfs.tiers import open_tier
-from ckptfs.tiers.base import ObjectMeta, TierError
-from ckptfs.tiers.s3 import S3Tier
+from ckptfs.store.tiers import open_tier
+from ckptfs.store.tiers.base import ObjectMeta, TierError
+from ckptfs.store.tiers.s3 import S3Tier
 from tests.mounting import ckptfs
 from tests.seaweed import Seaweed
 from tests.test_cli_errors import assert_nothing_left, assert_user_error

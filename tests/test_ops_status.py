@@ -289,7 +289,7 @@ def test_log_lines_are_one_line_and_only_credentials_are_masked() -> None:
     import logging
     import sys
 
-    from ckptfs.cli import _OneLineRedacting
+    from ckptfs.ops.cli import _OneLineRedacting
 
     formatter = _OneLineRedacting("%(levelname)s %(message)s", [SECRET_KEY, "test"])
     try:
@@ -301,7 +301,7 @@ def test_log_lines_are_one_line_and_only_credentials_are_masked() -> None:
     line = formatter.format(record)
     assert SECRET_KEY not in line and "***" in line
     assert "\n" not in line and "ValueError" in line
-    ours = logging.LogRecord("ckptfs.upload", logging.INFO, __file__, 1,
+    ours = logging.LogRecord("ckptfs.engine.upload", logging.INFO, __file__, 1,
                              "uploaded %s\nand test/x", ("latest",), None)
     assert formatter.format(ours) == "INFO uploaded latest | and test/x"
 

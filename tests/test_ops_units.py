@@ -7,9 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ckptfs.checkpoints import DEFAULT_DETECTOR, LocalFile, RemoteFile, build
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.journal import State
+from ckptfs.lifecycle.checkpoints import DEFAULT_DETECTOR, LocalFile, RemoteFile, build
+from ckptfs.state.journal import State
 
 
 def test_a_checkpoint_without_a_marker_wholly_on_nvme_is_held_there() -> None:
@@ -42,7 +42,7 @@ def test_counts_read_as_english_and_bytes_in_binary_units() -> None:
 def test_progress_columns_count_in_mib_as_status_does() -> None:
     from rich.progress import Progress
 
-    from ckptfs.cli import byte_columns
+    from ckptfs.ops.cli import byte_columns
 
     done, rate = byte_columns()
     with Progress(disable=True) as progress:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckptfs import client
+from ckptfs.ops import client
 from tests.mounting import CKPTFS, Mounter, ckptfs, daemon_gone, is_mounted, wait_for
 from tests.test_ops_status import file_tier_config
 

@@ -1,4 +1,4 @@
-"""ckptfs/passthrough.py without a mount: the auto/on/off decision from injected facts, and the
+"""ckptfs/fuse/passthrough.py without a mount: the auto/on/off decision from injected facts, and the
 per-inode io mode and backing ids against a fake backend (the real ioctl is covered by
 tests/test_passthrough_build.py)."""
 
@@ -15,10 +15,9 @@ import pytest
 import trio
 import trio.testing
 
+from ckptfs.engine.fs import ROOT_CALLER, Filesystem
 from ckptfs.errors import UserError
-from ckptfs.fs import ROOT_CALLER, Filesystem
-from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.passthrough import (
+from ckptfs.fuse.passthrough import (
     WRITE_HEADROOM,
     BackingTable,
     Facts,
@@ -31,7 +30,8 @@ from ckptfs.passthrough import (
     file_info_fields,
     writers_left,
 )
-from ckptfs.staging import Staging
+from ckptfs.state.journal import ROOT_INODE, Journal, State
+from ckptfs.state.staging import Staging
 
 READY = Facts(kernel=(6, 18), cap_sys_admin=True, pyfuse3_has_passthrough=True)
 
@@ -71,7 +71,7 @@ def test_decide_requests_when_everything_is_there(mode: str) -> None:
 ])
 def test_auto_falls_back_and_on_fails_with_one_reason(facts: Facts, why: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="ckptfs.passthrough"):
+    with caplog.at_level("INFO", logger="ckptfs.fuse.passthrough"):
         d = decide("auto", facts)
     assert not d.request and why in d.reason
     assert [r.getMessage() for r in caplog.records] == [f"passthrough off: {d.reason}"]

@@ -12,11 +12,11 @@ import pytest
 import trio
 import trio.testing
 
+from ckptfs.cluster.peers import mailbox_of
+from ckptfs.engine.fs import Filesystem
 from ckptfs.errors import NotFound
-from ckptfs.fs import Filesystem
-from ckptfs.journal import ROOT_INODE
-from ckptfs.peers import mailbox_of
-from ckptfs.tiers.memory import store_named
+from ckptfs.state.journal import ROOT_INODE
+from ckptfs.store.tiers.memory import store_named
 from tests.cluster import Node, make_tier, run_node
 
 

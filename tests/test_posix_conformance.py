@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from ckptfs import errors
-from ckptfs.fs import ROOT_CALLER, Caller, Filesystem
-from ckptfs.journal import ROOT_INODE
+from ckptfs.engine.fs import ROOT_CALLER, Caller, Filesystem
+from ckptfs.state.journal import ROOT_INODE
 from tests.mounting import Mount, mounter_in
 from tests.test_fs_core import close_fs, open_fs
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs.fs import ROOT_CALLER, state_label
-from ckptfs.journal import ROOT_INODE, Journal, Row, State
-from ckptfs.noderun import RUN_FILE, boot_id
-from ckptfs.tiers.memory import store_named
+from ckptfs.cluster.noderun import RUN_FILE, boot_id
+from ckptfs.engine.fs import ROOT_CALLER, state_label
+from ckptfs.state.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.store.tiers.memory import store_named
 from tests.test_read_path import Node, node
 
 DATA = os.urandom(700_000)

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptfs.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, register_first, status, wait_for
 from tests.s3bucket import ARCHIVE, PREFIX, REQUEST_LOG, UNSAFE_KEYS, Bucket
 from tests.s3server import S3Server

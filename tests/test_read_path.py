@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 
 from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.fs import ROOT_CALLER, Filesystem, ReadSettings
-from ckptfs.journal import ROOT_INODE, Journal, Row, State
-from ckptfs.listing import HEADS_BEFORE_LISTING
-from ckptfs.staging import SpaceBudget, Staging
-from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, _Object, store_named
+from ckptfs.engine.fs import ROOT_CALLER, Filesystem, ReadSettings
+from ckptfs.engine.listing import HEADS_BEFORE_LISTING
+from ckptfs.state.journal import ROOT_INODE, Journal, Row, State
+from ckptfs.state.staging import SpaceBudget, Staging
+from ckptfs.store.tiers.base import Kind, ObjectInfo, ObjectMeta
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, _Object, store_named
 from tests.cluster import write_file
 
 BLOCK = 256 * 1024
@@ -74,7 +74,7 @@ async def node(root: Path, store: str, settings: ReadSettings = SETTINGS, *,
                max_bytes: int | None = None) -> AsyncIterator[Node]:
     """A node (core + uploader) over ``root``, started as a mount starts it; ``max_bytes``
     caps its staging space."""
-    from ckptfs.upload import Uploader
+    from ckptfs.engine.upload import Uploader
 
     tier = FaultyTier(MemoryTier("warm", f"memory://{store}", store))
     staging = Staging(root)

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptfs.checkpoints import HOT, Checkpoint, LocalFile, RemoteFile, build, parse_step
 from ckptfs.config import KeepRules
-from ckptfs.journal import State
-from ckptfs.retention import Action, Policy, TierPolicy, newest_complete, plan, select
+from ckptfs.lifecycle.checkpoints import HOT, Checkpoint, LocalFile, RemoteFile, build, parse_step
+from ckptfs.lifecycle.retention import Action, Policy, TierPolicy, newest_complete, plan, select
+from ckptfs.state.journal import State
 
 DEFAULT_REGEX = r"(\d+)(?!.*\d)"
 T0 = 1_736_121_600.0  # 2025-01-06 00:00 UTC, a Monday

@@ -21,16 +21,16 @@ import trio
 import trio.testing
 
 from ckptfs.config import Config
+from ckptfs.engine.fs import Filesystem, state_label
 from ckptfs.errors import NeedsRestore, StoreRefused, StoreUnavailable
-from ckptfs.fs import Filesystem, state_label
-from ckptfs.journal import ROOT_INODE, Row, State
-from ckptfs.pins import pin_in_store
-from ckptfs.restore import restore
-from ckptfs.retention import Policy, Retention, RunResult
-from ckptfs.tiers.base import Tier
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, store_named
-from ckptfs.tiers.transfer import unwrap
+from ckptfs.lifecycle.pins import pin_in_store
+from ckptfs.lifecycle.restore import restore
+from ckptfs.lifecycle.retention import Policy, Retention, RunResult
+from ckptfs.state.journal import ROOT_INODE, Row, State
+from ckptfs.store.tiers.base import Tier
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
+from ckptfs.store.tiers.transfer import unwrap
 from tests.cluster import Node, run_node
 
 MARKERS = (".metadata",)

@@ -23,7 +23,13 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.checkpoints import (
+from ckptfs.cluster.lease import LEASE_KEY, Lease, LeaseLost
+from ckptfs.cluster.peers import mailbox_of
+from ckptfs.config import DEFAULT_COMMIT_MARKERS, Config, KeepRules, load_config
+from ckptfs.engine.fs import Filesystem
+from ckptfs.engine.upload import Uploader
+from ckptfs.errors import UserError
+from ckptfs.lifecycle.checkpoints import (
     DEFAULT_DETECTOR,
     HOT,
     Checkpoint,
@@ -32,13 +38,7 @@ from ckptfs.checkpoints import (
     RemoteFile,
     build,
 )
-from ckptfs.config import DEFAULT_COMMIT_MARKERS, Config, KeepRules, load_config
-from ckptfs.errors import UserError
-from ckptfs.fs import Filesystem
-from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.lease import LEASE_KEY, Lease, LeaseLost
-from ckptfs.peers import mailbox_of
-from ckptfs.retention import (
+from ckptfs.lifecycle.retention import (
     HEAD_CONCURRENCY,
     Policy,
     Retention,
@@ -46,11 +46,11 @@ from ckptfs.retention import (
     newest_complete,
     plan,
 )
-from ckptfs.staging import Staging
-from ckptfs.tiers.base import ObjectInfo, ObjectMeta, Tier
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, store_named
-from ckptfs.upload import Uploader
+from ckptfs.state.journal import ROOT_INODE, Journal, State
+from ckptfs.state.staging import Staging
+from ckptfs.store.tiers.base import ObjectInfo, ObjectMeta, Tier
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
 from tests.cluster import run_node
 from tests.s3bucket import crc
 from tests.test_retention_sim import write

@@ -18,14 +18,14 @@ import trio
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ckptfs.checkpoints import DEFAULT_DETECTOR, HOT, LocalFile, RemoteFile, build
+from ckptfs.cluster.lease import LEASE_KEY, Lease
 from ckptfs.config import KeepRules
-from ckptfs.journal import State
-from ckptfs.lease import LEASE_KEY, Lease
-from ckptfs.retention import Policy, Retention, TierPolicy, plan, select
-from ckptfs.tiers.base import ObjectInfo
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier
+from ckptfs.lifecycle.checkpoints import DEFAULT_DETECTOR, HOT, LocalFile, RemoteFile, build
+from ckptfs.lifecycle.retention import Policy, Retention, TierPolicy, plan, select
+from ckptfs.state.journal import State
+from ckptfs.store.tiers.base import ObjectInfo
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier
 from tests.test_retention_nodes import MARKERS, T0, fill, local_node, memory_tiers
 from tests.test_retention_sim import write
 

@@ -15,13 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.checkpoints import HOT
 from ckptfs.config import KeepRules
-from ckptfs.fs import Filesystem
-from ckptfs.retention import Policy, Retention, TierPolicy
-from ckptfs.retention_cli import print_retention
-from ckptfs.tiers.base import ObjectMeta, Tier
-from ckptfs.upload import Uploader
+from ckptfs.engine.fs import Filesystem
+from ckptfs.engine.upload import Uploader
+from ckptfs.lifecycle.checkpoints import HOT
+from ckptfs.lifecycle.retention import Policy, Retention, TierPolicy
+from ckptfs.ops.retention_cli import print_retention
+from ckptfs.store.tiers.base import ObjectMeta, Tier
 from tests.mounting import Mounter, ckptfs, sync
 from tests.test_retention_nodes import MARKERS, local_node, memory_tiers
 from tests.test_retention_sim import write
@@ -55,7 +55,7 @@ async def torch_save(fs: Filesystem, uploader: Uploader, steps: range) -> None:
 
 
 def names(fs: Filesystem) -> list[str]:
-    from ckptfs.journal import ROOT_INODE
+    from ckptfs.state.journal import ROOT_INODE
 
     return sorted(r.name.decode() for r in fs.ns.children(ROOT_INODE, 0) if r.name)
 
@@ -96,7 +96,7 @@ async def test_a_later_checkpoint_counts_by_when_it_was_written_not_committed(
     was written after it. step_3 still has a later checkpoint (the CI flake of stop 23)."""
     async with node(tmp_path) as (fs, uploader, retention, _):
         await torch_save(fs, uploader, range(1, 5))
-        from ckptfs.journal import State
+        from ckptfs.state.journal import State
 
         rows = fs.ns.journal.rows_in_states(State.COMMITTED)
         newest = max(r.committed_at or 0.0 for r in rows)
@@ -197,7 +197,7 @@ def test_offline_plan_does_not_count_this_staging_directory_as_another_writer(
     """``ckptfs retention --plan --config`` without a daemon: the staging directory's node is
     still registered (an unmount that left files behind keeps it so); it is this node, not
     another writer, so marker-less checkpoints settle as they do in the daemon."""
-    from ckptfs.retention_cli import gather
+    from ckptfs.ops.retention_cli import gather
 
     store = tmp_path / "store"
     for step in (1, 2, 3):

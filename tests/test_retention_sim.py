@@ -20,15 +20,15 @@ import pytest
 import trio
 
 from ckptfs.config import DEFAULT_COMMIT_MARKERS, Config
+from ckptfs.engine.fs import ROOT_CALLER, Filesystem
+from ckptfs.engine.upload import Uploader
 from ckptfs.errors import NotFound
-from ckptfs.fs import ROOT_CALLER, Filesystem
-from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.retention import Policy, Retention, detector_for
-from ckptfs.staging import Staging
-from ckptfs.tiers import open_tier
-from ckptfs.tiers.base import Tier
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.upload import Uploader
+from ckptfs.lifecycle.retention import Policy, Retention, detector_for
+from ckptfs.state.journal import ROOT_INODE, Journal, State
+from ckptfs.state.staging import Staging
+from ckptfs.store.tiers import open_tier
+from ckptfs.store.tiers.base import Tier
+from ckptfs.store.tiers.memory import MemoryTier
 from tests.s3bucket import Server
 
 T0 = datetime(2025, 3, 3, 0, 30, tzinfo=UTC).timestamp()  # a Monday, half past midnight

@@ -17,11 +17,11 @@ import pytest
 import trio
 import trio.testing
 
-from ckptfs.checkpoints import HOT
 from ckptfs.config import KeepRules
-from ckptfs.fs import Filesystem
-from ckptfs.journal import ROOT_INODE
-from ckptfs.retention import Policy, Retention, TierPolicy
+from ckptfs.engine.fs import Filesystem
+from ckptfs.lifecycle.checkpoints import HOT
+from ckptfs.lifecycle.retention import Policy, Retention, TierPolicy
+from ckptfs.state.journal import ROOT_INODE
 from tests.mounting import Mounter, ckptfs, status, sync, wait_for
 from tests.test_retention_nodes import MARKERS, local_node, memory_tiers
 from tests.test_retention_sim import write

@@ -24,14 +24,14 @@ import pytest
 import trio
 import trio.testing
 
-import ckptfs.retention as retention_mod
-from ckptfs.checkpoints import HOT, Detector, LocalFile, RowSource, walk_journal
+import ckptfs.lifecycle.retention as retention_mod
 from ckptfs.config import KeepRules
-from ckptfs.fs import ROOT_CALLER
-from ckptfs.journal import ROOT_INODE, State
-from ckptfs.retention import Policy, Retention, RunResult, TierPolicy
-from ckptfs.tiers.base import Tier
-from ckptfs.tiers.memory import MemoryTier
+from ckptfs.engine.fs import ROOT_CALLER
+from ckptfs.lifecycle.checkpoints import HOT, Detector, LocalFile, RowSource, walk_journal
+from ckptfs.lifecycle.retention import Policy, Retention, RunResult, TierPolicy
+from ckptfs.state.journal import ROOT_INODE, State
+from ckptfs.store.tiers.base import Tier
+from ckptfs.store.tiers.memory import MemoryTier
 from tests.test_retention_nodes import MARKERS, fill, local_node, memory_tiers
 from tests.test_retention_sim import write
 

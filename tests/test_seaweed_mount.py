@@ -17,7 +17,7 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from ckptfs.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.base import CONTROL_PREFIX
 from tests.mounting import Mounter, ckptfs, tiers_config
 from tests.s3bucket import PART_SIZE, crc
 from tests.seaweed import Seaweed

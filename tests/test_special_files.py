@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.checkpoints import DEFAULT_DETECTOR, RemoteFile, build
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.journal import SCHEMA_VERSION, Journal, Row, State
-from ckptfs.storetrust import NOBODY, owner, special_mode
-from ckptfs.tiers.base import Kind, ObjectMeta
-from ckptfs.tiers.local import FileTier
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.tiers.transfer import copy_object
+from ckptfs.lifecycle.checkpoints import DEFAULT_DETECTOR, RemoteFile, build
+from ckptfs.state.journal import SCHEMA_VERSION, Journal, Row, State
+from ckptfs.store.tiers.base import Kind, ObjectMeta
+from ckptfs.store.tiers.local import FileTier
+from ckptfs.store.tiers.memory import MemoryTier
+from ckptfs.store.tiers.transfer import copy_object
+from ckptfs.store.trust import NOBODY, owner, special_mode
 from tests.mounting import Mounter, status, sync, tiers_config, wait_for
 from tests.s3bucket import PREFIX, Bucket
 

@@ -4,7 +4,7 @@ A file tier (``file://``) differs from an object store in one way that matters h
 a directory wherever it holds a key beneath it (a put of ``d/x`` makes ``d``), and it cannot
 delete a directory that still has entries. ``TreeTier`` gives the memory tier exactly these
 two rules, so the interleavings run deterministically (autojump clock) without threads or a
-real directory. Each test fails without the rule it names (ckptfs/keys.py, rule 5; upload.py,
+real directory. Each test fails without the rule it names (ckptfs/engine/keys.py, rule 5; upload.py,
 ``NotEmptyYet``).
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from ckptfs.engine.fs import RENAME_EXCHANGE, ROOT_CALLER
 from ckptfs.errors import StoreUnavailable
-from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER
-from ckptfs.journal import ROOT_INODE
-from ckptfs.tiers.base import Kind, NotEmptyYet, ObjectMeta, Progress
-from ckptfs.tiers.memory import MemoryTier
+from ckptfs.state.journal import ROOT_INODE
+from ckptfs.store.tiers.base import Kind, NotEmptyYet, ObjectMeta, Progress
+from ckptfs.store.tiers.memory import MemoryTier
 from tests.test_store_keys import _evict, _read
 from tests.test_upload import RecordingTier, Rig, open_rig
 
@@ -96,7 +96,7 @@ def _parents(key: str) -> list[str]:
 
 def _dir_object(inner: MemoryTier) -> object:
     """An implicit directory, as a file tier lists a directory nobody put a marker for."""
-    from ckptfs.tiers.memory import _Object
+    from ckptfs.store.tiers.memory import _Object
     return _Object(b"", ObjectMeta(Kind.DIRECTORY, 0o755))
 
 

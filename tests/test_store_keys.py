@@ -1,4 +1,4 @@
-"""Store keys have one owner (ckptfs/keys.py): renames, swaps and rotations lose nothing.
+"""Store keys have one owner (ckptfs/engine/keys.py): renames, swaps and rotations lose nothing.
 
 Unit level: the core + the uploader over a memory tier behind the fault wrapper, with trio's
 autojump clock. Each test fails without the rule it names (docs/SEMANTICS.md, "Store keys").
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import trio
 
+from ckptfs.engine.fs import RENAME_EXCHANGE, ROOT_CALLER
+from ckptfs.engine.keys import PARKING_PREFIX
+from ckptfs.engine.upload import file_checksum
 from ckptfs.errors import NotFound
-from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER
-from ckptfs.journal import ROOT_INODE, State
-from ckptfs.keys import PARKING_PREFIX
-from ckptfs.tiers.base import Kind, ObjectInfo, ObjectMeta, Progress
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.upload import file_checksum
+from ckptfs.state.journal import ROOT_INODE, State
+from ckptfs.store.tiers.base import Kind, ObjectInfo, ObjectMeta, Progress
+from ckptfs.store.tiers.memory import MemoryTier
 from tests.test_upload import RecordingTier, Rig, open_rig, rig  # noqa: F401 - the fixture
 
 ROOT = ROOT_INODE

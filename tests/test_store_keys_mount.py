@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.keys import PARKING_PREFIX
+from ckptfs.engine.keys import PARKING_PREFIX
 from tests.mounting import Mount, Mounter, ckptfs, sync
 from tests.s3bucket import FAULT_RULES, PREFIX, Bucket, crc
 from tests.s3server import Rule

@@ -1,4 +1,4 @@
-"""What a node takes from the store's metadata (storetrust.py, listing.py; docs/SEMANTICS.md,
+"""What a node takes from the store's metadata (store/trust.py, listing.py; docs/SEMANTICS.md,
 "What the store may decide"; issue 15 item 11): set-id bits stripped, impossible owners
 mapped to nobody, bad symlink targets refused; the mount is nodev, and nosuid by default.
 
@@ -14,11 +14,11 @@ import pytest
 import trio
 
 from ckptfs.config import Config
-from ckptfs.mount import fuse_options
-from ckptfs.mountinfo import find
-from ckptfs.storetrust import NOBODY, dir_mode, file_mode, owner, symlink_target
-from ckptfs.tiers.base import Kind, ObjectMeta
-from ckptfs.tiers.memory import _Object, store_named
+from ckptfs.fuse.mountinfo import find
+from ckptfs.ops.mount import fuse_options
+from ckptfs.store.tiers.base import Kind, ObjectMeta
+from ckptfs.store.tiers.memory import _Object, store_named
+from ckptfs.store.trust import NOBODY, dir_mode, file_mode, owner, symlink_target
 from tests.mounting import Mounter, status
 from tests.test_read_path import TTL, node
 

@@ -18,12 +18,19 @@ import crc32c
 import pytest
 import trio
 
-from ckptfs.integrity import BlockSums, file_sums, format_crc
-from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, PreconditionFailed, Tier, TierError
-from ckptfs.tiers.local import TMP_MARK, FileTier
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.tiers.s3 import MIN_PART_SIZE, S3Tier
-from ckptfs.upload import file_checksum
+from ckptfs.engine.upload import file_checksum
+from ckptfs.store.integrity import BlockSums, file_sums, format_crc
+from ckptfs.store.tiers.base import (
+    Kind,
+    ObjectMeta,
+    ObjectMissing,
+    PreconditionFailed,
+    Tier,
+    TierError,
+)
+from ckptfs.store.tiers.local import TMP_MARK, FileTier
+from ckptfs.store.tiers.memory import MemoryTier
+from ckptfs.store.tiers.s3 import MIN_PART_SIZE, S3Tier
 from tests.s3conditions import count_calls, honour_copy_conditions, refuse_plain_self_copy
 from tests.s3server import S3Server
 from tests.seaweed import Seaweed
@@ -563,7 +570,7 @@ async def test_file_tier_long_names_and_their_leftovers(tmp_path: Path) -> None:
     name = "n" * 255
     await tier.put_file(f"d/{name}", src, 4, ObjectMeta())
     assert (tmp_path / "store" / "d" / name).read_bytes() == b"long"
-    from ckptfs.tiers.local import _tmp_name
+    from ckptfs.store.tiers.local import _tmp_name
 
     leftover = tmp_path / "store" / "d" / _tmp_name(name)
     other = tmp_path / "store" / "d" / _tmp_name("m" * 255)

@@ -26,19 +26,19 @@ import pytest
 import trio
 
 from ckptfs.config import Config
+from ckptfs.engine.fs import Filesystem
+from ckptfs.engine.upload import Uploader
 from ckptfs.errors import StoreUnavailable
-from ckptfs.fs import Filesystem
-from ckptfs.integrity import BlockSums, file_sums
-from ckptfs.journal import Journal, State
-from ckptfs.retention import Policy, Retention, detector_for
-from ckptfs.staging import Staging
-from ckptfs.tiers.base import Kind, ObjectMeta, PreconditionFailed, Tier
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.local import FileTier
-from ckptfs.tiers.memory import MemoryTier, store_named
-from ckptfs.tiers.s3 import MIN_PART_SIZE, S3Tier
-from ckptfs.tiers.transfer import CopyMismatch, StreamSums, copy_object, put_checked, verify
-from ckptfs.upload import Uploader
+from ckptfs.lifecycle.retention import Policy, Retention, detector_for
+from ckptfs.state.journal import Journal, State
+from ckptfs.state.staging import Staging
+from ckptfs.store.integrity import BlockSums, file_sums
+from ckptfs.store.tiers.base import Kind, ObjectMeta, PreconditionFailed, Tier
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.local import FileTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
+from ckptfs.store.tiers.s3 import MIN_PART_SIZE, S3Tier
+from ckptfs.store.tiers.transfer import CopyMismatch, StreamSums, copy_object, put_checked, verify
 from tests.s3bucket import Server
 from tests.s3conditions import count_calls, honour_copy_conditions, refuse_plain_self_copy
 from tests.s3server import S3Server
@@ -134,7 +134,7 @@ async def test_file_tier_copies_the_inode_it_checked(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The file tier checks the tag on the inode it then links: a new version renamed over
     the source right after the check is not what lands at the target."""
-    import ckptfs.tiers.local as local
+    import ckptfs.store.tiers.local as local
 
     tier = FileTier("warm", f"file://{tmp_path}/store", tmp_path / "store")
     src, data, meta = put_source(tmp_path, 5000)

@@ -29,7 +29,7 @@ pytest.importorskip("torch.distributed.checkpoint")
 
 import torch.distributed.checkpoint as dcp
 
-from ckptfs.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.base import CONTROL_PREFIX
 from tests import dcp_worker
 from tests.mounting import Mount, Mounter, is_mounted
 

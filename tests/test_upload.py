@@ -16,14 +16,14 @@ import trio
 
 from ckptfs import errors
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
-from ckptfs.fs import RENAME_EXCHANGE, ROOT_CALLER, Filesystem
-from ckptfs.journal import ROOT_INODE, Journal, State
-from ckptfs.staging import Staging
-from ckptfs.tiers.base import Kind, ObjectMeta, Progress
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.upload import OUTAGE_AFTER, Uploader, file_checksum
-from ckptfs.yieldgate import YieldGate
+from ckptfs.engine.fs import RENAME_EXCHANGE, ROOT_CALLER, Filesystem
+from ckptfs.engine.upload import OUTAGE_AFTER, Uploader, file_checksum
+from ckptfs.engine.yieldgate import YieldGate
+from ckptfs.state.journal import ROOT_INODE, Journal, State
+from ckptfs.state.staging import Staging
+from ckptfs.store.tiers.base import Kind, ObjectMeta, Progress
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier
 
 ROOT = ROOT_INODE
 

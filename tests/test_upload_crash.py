@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from ckptfs.tiers.base import CONTROL_PREFIX
+from ckptfs.store.tiers.base import CONTROL_PREFIX
 from tests.mounting import (
     Mount,
     Mounter,

@@ -1,4 +1,4 @@
-"""The uploader's queue (ckptfs/workqueue.py) against the scan it replaced: for any sequence
+"""The uploader's queue (ckptfs/engine/workqueue.py) against the scan it replaced: for any sequence
 of adds, renumberings, backoffs, removals and picks, ``pick`` takes what a sort of every
 pending item by number would have taken, and says when the next backing-off item is due."""
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptfs.workqueue import WorkQueue
+from ckptfs.engine.workqueue import WorkQueue
 
 
 @dataclass(eq=False)

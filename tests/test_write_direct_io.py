@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.fs import ROOT_CALLER, Filesystem
-from ckptfs.fuse_ops import FuseOps
-from ckptfs.journal import ROOT_INODE, Journal
-from ckptfs.staging import Staging
+from ckptfs.engine.fs import ROOT_CALLER, Filesystem
+from ckptfs.fuse.handlers import FuseOps
+from ckptfs.state.journal import ROOT_INODE, Journal
+from ckptfs.state.staging import Staging
 from tests.mounting import Mounter
 
 

@@ -1,4 +1,4 @@
-"""Uploads yield to the job (ckptfs/yieldgate.py): the core, the uploader and a memory tier,
+"""Uploads yield to the job (ckptfs/engine/yieldgate.py): the core, the uploader and a memory tier,
 with trio's autojump clock (so a wait of 30 s costs nothing and times are exact)."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from ckptfs.fs import ROOT_CALLER
-from ckptfs.integrity import file_sums
-from ckptfs.journal import ROOT_INODE, State
-from ckptfs.staging import SpaceBudget
-from ckptfs.tiers.base import Kind, ObjectMeta, ObjectMissing, Progress, Tier
-from ckptfs.tiers.local import CHUNK, FileTier
-from ckptfs.tiers.memory import MemoryTier
-from ckptfs.tiers.s3 import S3Tier
-from ckptfs.yieldgate import YieldGate
+from ckptfs.engine.fs import ROOT_CALLER
+from ckptfs.engine.yieldgate import YieldGate
+from ckptfs.state.journal import ROOT_INODE, State
+from ckptfs.state.staging import SpaceBudget
+from ckptfs.store.integrity import file_sums
+from ckptfs.store.tiers.base import Kind, ObjectMeta, ObjectMissing, Progress, Tier
+from ckptfs.store.tiers.local import CHUNK, FileTier
+from ckptfs.store.tiers.memory import MemoryTier
+from ckptfs.store.tiers.s3 import S3Tier
 from tests.mounting import Mounter, ckptfs, status, tiers_config
 from tests.test_upload import RecordingTier, Rig, open_rig
 

@@ -34,11 +34,11 @@ from typing import Any
 import trio
 import trio.testing
 
-from ckptfs.fs import Filesystem
-from ckptfs.journal import ROOT_INODE
-from ckptfs.peers import FATES
-from ckptfs.tiers.faulty import FaultyTier
-from ckptfs.tiers.memory import MemoryTier, store_named
+from ckptfs.cluster.peers import FATES
+from ckptfs.engine.fs import Filesystem
+from ckptfs.state.journal import ROOT_INODE
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
 from tests.cluster import Node, run_node
 
 

@@ -258,11 +258,11 @@ def ckptfs_config(staging: Path, *, store_dir: Path | None = None,
 
 
 def control() -> Any:
-    """``ckptfs.client`` of the package under CKPTFS_SRC, in this process: the mount's control
+    """``ckptfs.ops.client`` of the package under CKPTFS_SRC, in this process: the mount's control
     socket without a CLI start (~0.8 CPU-s and ~1 s here) per sync, status or unmount."""
     if sys.path[0] != str(CKPTFS_SRC):
         sys.path.insert(0, str(CKPTFS_SRC))
-    from ckptfs import client
+    from ckptfs.ops import client
 
     return client
 

@@ -360,7 +360,7 @@ def _writable(flags: int) -> bool:
 
 
 def fuse_options() -> set[str]:
-    """The options ckptfs mounts with (ckptfs.mount.fuse_options), under our own name."""
+    """The options ckptfs mounts with (ckptfs.ops.mount.fuse_options), under our own name."""
     return set(pyfuse3.default_options) | {"fsname=nullfs", "subtype=nullfs"}
 
 

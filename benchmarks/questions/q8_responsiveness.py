@@ -12,7 +12,7 @@ Measured from outside the daemon, file store on the local disk (the work dir):
   sync / status   at each size, after the files are committed: ``ckptfs sync`` and ``ckptfs
                   status`` with nothing pending, as the CLI (a process start, measured apart
                   as ``python -m ckptfs --help``) and as requests on the control socket from
-                  one client process (ckptfs.client, median of 3).
+                  one client process (ckptfs.ops.client, median of 3).
   remount         ``ckptfs umount`` (waits for uploads), then ``ckptfs mount`` over the same
                   staging until it returns (the kernel accepted the mount), until a getxattr
                   answers, and until ``ckptfs sync`` returns (whatever the start requeued is
@@ -23,7 +23,7 @@ Measured from outside the daemon, file store on the local disk (the work dir):
                   longest answer in each phase (a loop stall, or a request that queued, plus
                   the FUSE round trip). Beside it, at each size, the daemon's own figures
                   (``ckptfs status``: the loop's longest stall and its full garbage
-                  collections since the mount; ckptfs/loopwatch.py).
+                  collections since the mount; ckptfs/ops/loopwatch.py).
   fsync           a file of --q8-fsync-mib (1 GiB) written in 1 MiB calls, then fsync(2)ed,
                   the probe running: the longest answer while the fsync runs.
   cluster         questions/cluster_rate.py at --q8-sim-nodes (64 ... 1000) simulated nodes
@@ -98,7 +98,7 @@ json.dump({"starts": starts, "lats": lats, "errors": errors}, sys.stdout)
 # Control-socket latency from one client process (no interpreter start in the figure).
 CONTROL = r"""
 import json, sys, time
-from ckptfs import client
+from ckptfs.ops import client
 mnt, reps = sys.argv[1], int(sys.argv[2])
 out = {"sync": [], "status": []}
 for _ in range(reps):

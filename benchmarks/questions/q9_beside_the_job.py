@@ -12,7 +12,7 @@ once; then one writer ``torch.save``s a ``--q9-torch-mib`` (1 GiB) state dict. M
 
   plain          the tmpfs directory itself
   ckptfs         a mount with ``passthrough = "auto"`` and the upload's yield gate at its
-                 defaults (ckptfs/yieldgate.py: ``upload_settle``, ``upload_hold_max``)
+                 defaults (ckptfs/engine/yieldgate.py: ``upload_settle``, ``upload_hold_max``)
   ckptfs-nogate  the same with ``upload_hold_max = "0s"``: uploads start as files close (what
                  ckptfs did before the gate)
 
