@@ -135,7 +135,31 @@ class Runner:
         self.nodes[i] = node
         self.runs[i] = self.runs.get(i, 0) + 1
         self.mark_durable(i)
+        self._follow_durability(i, node)
         return node
+
+    def _follow_durability(self, i: int, node: Node) -> None:
+        """A power loss keeps what the node's journal made durable itself (an fsync, a
+        sweep's listing), not only what the node had at its last sync or start: the
+        journal's durable point moves with ``make_durable`` (its data files' pages do not)."""
+        journal = node.fs.journal
+        durable, durable_async = journal.make_durable, journal.make_durable_async
+
+        def now_durable() -> None:
+            if self.nodes.get(i) is node:
+                self.durable[i] = durable_point(self.dir(i))
+                self.renamed.discard(i)
+
+        def made_durable() -> None:
+            durable()
+            now_durable()
+
+        async def made_durable_async() -> None:
+            await durable_async()
+            now_durable()
+
+        journal.make_durable = made_durable  # type: ignore[method-assign]
+        journal.make_durable_async = made_durable_async  # type: ignore[method-assign]
 
     def dir(self, i: int) -> Path:
         return self.root / f"node{i}"

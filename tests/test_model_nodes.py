@@ -130,6 +130,12 @@ POWER_LOSS_AFTER_COMMIT = (2, [
 RENAME_OF_A_REMOVED_DIRECTORY = (2, [
     Op("write", 1, "step2/m/a"), Op("rmtree", 0, "step2"), Op("write", 0, "step2/a"),
     Op("rename", 1, "step2", "step1")])
+# Found by the generator: a power loss rolled the removing node's journal back to before its
+# removal sweep was done; run again, the sweep took the file another node had written into
+# the directory made again since for one the job had removed.
+SWEEP_AGAIN_AFTER_POWER_LOSS = (2, [
+    Op("write", 0, "step1/a"), Op("rmtree", 1, "step1"), Op("power", 1),
+    Op("write", 0, "step1/a"), Op("power", 1)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -142,7 +148,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "subdirectory-removed": SUBDIRECTORY_REMOVED,
          "renamed-with-a-subdirectory": RENAMED_WITH_A_SUBDIRECTORY,
          "power-loss-after-commit": POWER_LOSS_AFTER_COMMIT,
-         "rename-of-a-removed-directory": RENAME_OF_A_REMOVED_DIRECTORY}
+         "rename-of-a-removed-directory": RENAME_OF_A_REMOVED_DIRECTORY,
+         "sweep-again-after-power-loss": SWEEP_AGAIN_AFTER_POWER_LOSS}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

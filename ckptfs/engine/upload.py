@@ -166,6 +166,16 @@ def file_checksum(path: Path, size: int) -> str:
     return format_crc(value)
 
 
+def _signature(info: ObjectInfo) -> str:
+    """What tells a version of a key from one written there later (``_sweep_plan``): the
+    writer's stamp with the tag and size. A directory marker is only its key (a file
+    tier's directory changes its tag and times as entries come and go); one made again
+    is told by what was written under it since."""
+    if info.key.endswith("/"):
+        return "dir"
+    return f"{info.meta.stamp} {info.etag} {info.size}"
+
+
 def is_marker(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
@@ -1059,10 +1069,10 @@ class Uploader:
         if found is None:
             return
         old, new, mark = found
+        planned, fresh = await self._sweep_plan(sweep_id, old)
         skip = self.keys.claimed() | self.journal.tombstoned_under(old) \
             | self.journal.hidden_under(old)
-        left = [info for info in await self.tier.list(old)
-                if info.key.startswith(old) and info.key not in skip]
+        left = [info for info in planned if info.key not in skip]
         files = [info for info in left if not info.key.endswith("/")]
         directories = sorted((info for info in left if info.key.endswith("/")),
                              key=lambda i: -i.key.count("/"))
@@ -1074,20 +1084,52 @@ class Uploader:
                 batch = [i for i in files if self._is_marker_key(i.key) is markers]
                 gone += await self._sweep_files(batch, old, new, mark)
         else:
-            for listed in files:
-                described = await self._described(listed)
-                if described is not None and not self._held(described.key, mark):
-                    gone.append((described, None))
+            gone += [(info, None) for info in files if not self._held(info.key, mark)]
         gone.sort(key=lambda g: not self._is_marker_key(g[0].key))  # markers first
         for version, moved_to in gone:
             if self.journal.holder_of(version.key) is None:  # none of ours holds it now
                 await self.peers.delete(version.key, stamp=version.meta.stamp,
                                         etag=version.etag, moved_to=moved_to)
         for info in directories:
-            await self.tier.delete(info.key)
+            if not any(f.key.startswith(info.key) for f in fresh):  # else written in since
+                await self.tier.delete(info.key)
         self.journal.drop_sweep(sweep_id)
         self._sweeping.pop(sweep_id, None)
         self._wake()  # the moves that waited for it
+
+    async def _sweep_plan(self, sweep_id: int, old: str
+                          ) -> tuple[list[ObjectInfo], list[ObjectInfo]]:
+        """The objects under ``old`` that the sweep acts on, described: those its first
+        listing found, in the versions found then; and the others there now (a directory
+        marker with one of those under it stays).
+
+        That listing is kept in the journal, durably, before the sweep changes anything in
+        the store. Run again (a transient error, or a restart after a power loss that rolled
+        the journal back to before the sweep was done), the sweep must not take a version
+        written under the old prefix since for one the job had there: after the barrier,
+        anything new there was written after the rename or removal (another node writing
+        into a directory made again under the old name)."""
+        listed = [info for info in await self.tier.list(old) if info.key.startswith(old)]
+        limit = trio.CapacityLimiter(self.concurrency)
+        described: list[ObjectInfo] = []
+
+        async def one(info: ObjectInfo) -> None:
+            async with limit:
+                found = await self._described(info)
+            if found is not None:
+                described.append(found)
+
+        async with trio.open_nursery() as nursery:
+            for info in listed:
+                nursery.start_soon(one, info)
+        described.sort(key=lambda i: i.key)
+        plan = self.journal.sweep_plan(sweep_id)
+        if plan is None:
+            self.journal.set_sweep_plan(sweep_id, {i.key: _signature(i) for i in described})
+            await self.journal.make_durable_async()
+            return described, []
+        planned = [i for i in described if plan.get(i.key) == _signature(i)]
+        return planned, [i for i in described if plan.get(i.key) != _signature(i)]
 
     async def _sweep_files(self, infos: list[ObjectInfo], old: str, new: str, mark: int
                            ) -> list[tuple[ObjectInfo, str | None]]:

@@ -38,6 +38,7 @@ regular files have them.
 from __future__ import annotations
 
 import enum
+import json
 import operator
 import os
 import sqlite3
@@ -170,6 +171,10 @@ CREATE TABLE IF NOT EXISTS sweeps (
     old  TEXT NOT NULL,
     new  TEXT,
     mark INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS sweep_plans (
+    sweep  INTEGER PRIMARY KEY,
+    listed TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS ranges (
     ino   INTEGER NOT NULL REFERENCES inodes(ino) ON DELETE CASCADE,
@@ -824,7 +829,23 @@ class Journal:
         return [str(r[0]) for r in self._db.execute("SELECT old FROM sweeps")]
 
     def drop_sweep(self, sweep_id: int) -> None:
-        self._db.execute("DELETE FROM sweeps WHERE id = ?", (sweep_id,))
+        with self.transaction():
+            self._db.execute("DELETE FROM sweeps WHERE id = ?", (sweep_id,))
+            self._db.execute("DELETE FROM sweep_plans WHERE sweep = ?", (sweep_id,))
+
+    def sweep_plan(self, sweep_id: int) -> dict[str, str] | None:
+        """The objects a sweep found under its old prefix at its first listing (key ->
+        ``upload.py`` signature of the version), or None before that listing."""
+        found = self._db.execute("SELECT listed FROM sweep_plans WHERE sweep = ?",
+                                 (sweep_id,)).fetchone()
+        if found is None:
+            return None
+        listed = json.loads(found[0])
+        return {str(k): str(v) for k, v in listed.items()}
+
+    def set_sweep_plan(self, sweep_id: int, listed: dict[str, str]) -> None:
+        self._db.execute("INSERT OR REPLACE INTO sweep_plans (sweep, listed) VALUES (?, ?)",
+                         (sweep_id, json.dumps(listed, sort_keys=True)))
 
     def tombstones_of(self, key: str) -> list[tuple[int, str | None]]:
         """(id, stamp) of the tombstones of ``key``."""
