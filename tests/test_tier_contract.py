@@ -312,6 +312,27 @@ async def test_s3_put_sends_the_uploaders_crc32c(seaweed: Seaweed, tmp_path: Pat
     await tier.aclose()
 
 
+async def test_s3_single_put_reports_progress_as_it_sends(
+        s3_endpoint: S3Server | Seaweed, tmp_path: Path) -> None:
+    """A file sent in one PutObject reports its progress while it goes (a slow store shows
+    it moving, not at 0 until it is all there), and only the bytes sent: botocore reads the
+    body once more to sign the request, which is not progress."""
+    tier = s3_tier(s3_endpoint, f"s3://{s3_endpoint.new_bucket()}/p")
+    size = 3 * 1024 * 1024 + 5
+    assert size <= tier.part_size  # one PutObject
+    src, data = make_file(tmp_path, size)
+    totals: list[int] = []
+
+    def progress(n: int) -> None:
+        totals.append((totals[-1] if totals else 0) + n)
+
+    await tier.put_file("one", src, size, meta_of(data), progress)
+    assert totals[-1] == size
+    assert len(totals) > 2 and 0 < totals[0] < size  # in steps, not all at the end
+    assert max(totals) == size  # the signing pass was not counted
+    await tier.aclose()
+
+
 async def test_s3_check_fails_fast(s3_endpoint: S3Server | Seaweed) -> None:
     with pytest.raises(TierError, match="does not exist"):
         await s3_tier(s3_endpoint, "s3://no-such-bucket-here/p").check()

@@ -50,7 +50,8 @@ from urllib.parse import quote, unquote
 
 from ckptfs.errors import CkptfsError, NeedsRestore, StoreRefused, StoreUnavailable
 
-# Called with the number of bytes just transferred (progress bars, rates).
+# Called with the number of bytes just transferred (progress bars, rates); negative when a
+# retry takes them back. A tier may call it from a worker thread: keep it to arithmetic.
 Progress = Callable[[int], None]
 Pace = Callable[[], Awaitable[None]]
 

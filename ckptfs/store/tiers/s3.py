@@ -130,11 +130,28 @@ def _without_userinfo(url: str) -> str:
 class _PartReader(io.RawIOBase):
     """``length`` bytes of ``fd`` from ``offset``, as a seekable read-only file: botocore reads
     it once for the checksum and again to send it (and rewinds it to retry), in small chunks,
-    with pread, so no whole part is ever in memory and the fd's position is never used."""
+    with pread, so no whole part is ever in memory and the fd's position is never used.
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    With ``progress``, the bytes read while the request is being sent are reported (from
+    botocore's thread) as they go, and a rewind to retry reports them back; the reads that
+    sign the request are not (``_not_sending`` / ``_sending``, the hooks s3transfer uses too).
+    """
+
+    def __init__(self, fd: int, offset: int, length: int,
+                 progress: Progress | None = None) -> None:
         super().__init__()
         self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+        self._progress = progress
+        self._sending = False
+        self.reported = 0  # bytes reported so far (net of rewinds)
+
+    def signal_sending(self, sending: bool) -> None:
+        self._sending = sending
+
+    def _report(self, n: int) -> None:
+        if n and self._sending and self._progress is not None:
+            self.reported += n
+            self._progress(n)
 
     def readable(self) -> bool:
         return True
@@ -150,7 +167,8 @@ class _PartReader(io.RawIOBase):
 
     def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
-        self._pos = min(max(0, base + pos), self._length)
+        was, self._pos = self._pos, min(max(0, base + pos), self._length)
+        self._report(self._pos - was)
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
@@ -161,7 +179,21 @@ class _PartReader(io.RawIOBase):
         if n == 0:
             raise TierError(f"staging file shorter than expected at {self._offset + self._pos}")
         self._pos += n
+        self._report(n)
         return n
+
+
+def _not_sending(request: Any, **_: Any) -> None:
+    """botocore's request-created (a retry's new request, before signing): a progress body
+    stops counting."""
+    if isinstance(getattr(request, "body", None), _PartReader):
+        request.body.signal_sending(False)
+
+
+def _sending(request: Any, **_: Any) -> None:
+    """botocore's before-send (signed, about to go): a progress body counts what it sends."""
+    if isinstance(getattr(request, "body", None), _PartReader):
+        request.body.signal_sending(True)
 
 
 class S3Tier(Tier):
@@ -214,6 +246,8 @@ class S3Tier(Tier):
             ),
         )
         self.client.meta.events.register("before-send.s3", _drop_expect)
+        self.client.meta.events.register_first("request-created.s3", _not_sending)
+        self.client.meta.events.register_last("before-send.s3", _sending)
         # Named in every error of this tier: an AccessDenied is debugged by knowing which
         # endpoint answered and which credentials were sent.
         self.where = (f"endpoint {_without_userinfo(self.client.meta.endpoint_url)}, "
@@ -335,15 +369,17 @@ class S3Tier(Tier):
         fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
         try:
             if size <= self.part_size:
-                body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
-                if len(body) != size:
+                if os.fstat(fd).st_size < size:
                     raise TierError(f"{source} is shorter than {size} bytes")
+                # Streamed from the file, with progress as it is sent (a slow store shows a
+                # file moving, not standing still until it is all there).
+                body = _PartReader(fd, 0, size, progress)
                 whole = _whole_crc(meta.checksum)
                 sent = {} if whole is None else {"ChecksumCRC32C": _crc_header(whole)}
                 reply = await self._call(self.client.put_object, Bucket=self.bucket, Key=full,
                                          Body=body, **sent, **self._put_args(meta))
-                if progress:
-                    progress(size)
+                if progress and body.reported != size:
+                    progress(size - body.reported)  # what the hooks did not see, if anything
             else:
                 reply = await self._multipart(full, fd, size, meta, progress)
         finally:
