@@ -289,7 +289,7 @@ class Config(_Strict):
     staging_min_free_ratio: float = Field(default=0.05, ge=0.0, lt=1.0)
     write_stall_timeout: Duration = timedelta(minutes=5)
     # Write-only opens bypass the kernel page cache of the mount: one copy fewer per byte
-    # (docs/SEMANTICS.md, "Page cache").
+    # (docs/SEMANTICS.md, "Files").
     write_direct_io: bool = True
     # FUSE passthrough (docs/PASSTHROUGH.md): opens of wholly local files served by the kernel
     # straight from the staging file. "auto" falls back, saying why on the mount's output and

@@ -45,7 +45,7 @@ registered are deleted by retention's whole-store rounds once older than ``RECOR
 that long with local copies of versions deleted meanwhile uploads them again, as if nothing had
 recorded their deletion).
 
-Interleavings (tests/test_peer_records.py, tests/test_model_nodes.py):
+Interleavings (tests/test_peer_renames.py, tests/test_model_nodes.py):
 - record put, then a crash before the deletion: the writer still finds its object, does
   nothing; the deleting node's tombstone is replayed and deletes it;
 - a deletion pinned to version v while the writer uploads v+1: the pinned delete fails

@@ -18,11 +18,12 @@ Invariants:
   they run in worker threads (``evict_async``, big removed files in ``_drop_data``), and
   their space counts as used until they returned.
 - Raises domain exceptions (errors.py) or OSError from the staging filesystem, never an errno.
-- Hard links (namespace.py, docs/HARD_LINKS.md): handles, writers and the staging file are the
-  head's (the kernel row). Every change of the bytes or the metadata is made to every name
-  row of the file at once (``_names``): each name's object is uploaded again, never one name
-  with bytes of a version another is still writing. The bytes leave NVMe only when every
-  name's object holds them (``evictable``), so an alias to upload always finds them here.
+- Hard links (namespace.py, docs/DESIGN.md "Hard links"): handles, writers and the staging
+  file are the head's (the kernel row). Every change of the bytes or the metadata is made to
+  every name row of the file at once (``_names``): each name's object is uploaded again,
+  never one name with bytes of a version another is still writing. The bytes leave NVMe only
+  when every name's object holds them (``evictable``), so an alias to upload always finds
+  them here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ A key of the store belongs to exactly one of these at a time:
 - a key hidden by ``unlink = "local-only"``: kept in the store for retention, not shown, and
   never deleted by this node.
 
-The rules that follow (docs/SEMANTICS.md, "Store keys"):
+The rules that follow (docs/DESIGN.md, "Store keys"; what users get: docs/SEMANTICS.md,
+"Store keys"):
 
 1. **A copy waits for the key it would overwrite.** An upload or a move to key K waits while
    K is owned by another file whose own move is still to come (it was renamed away from K:

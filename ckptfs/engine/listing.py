@@ -169,7 +169,7 @@ class Lister:
         In a directory listed since the mount (or being listed) that is ``refresh``. In one
         not listed yet, which only a remount over a journal that knows it has, a regular
         file is checked alone with one HEAD of its key (O(1): a first listing of every
-        directory a lookup touches would cost the whole directory each, issue 19): the same
+        directory a lookup touches would cost the whole directory each): the same
         tag and storage class is what the listing would find, so the row stands, fresh for
         the ttl. Anything else (changed, missing, refused, the store down, a hard link, not
         a regular file) lists the directory as before; so does every such hit in one
@@ -532,7 +532,7 @@ class Lister:
         """Whether the row is just a view of the remote object at ``key`` (safe to update).
         A name of a hard-linked file never is: its bytes are shared with its other names,
         so a new version of one object does not decide them (local wins: a limit,
-        docs/HARD_LINKS.md); only the removal of a name is taken (``_settled``)."""
+        docs/DESIGN.md, "Hard links"); only the removal of a name is taken (``_settled``)."""
         return self._settled(row, key) and not self.ns.is_linked(row)
 
     def _settled(self, row: Row, key: str) -> bool:

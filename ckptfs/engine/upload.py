@@ -11,7 +11,7 @@ sequence order and reconcile them:
   tier (``put_entry``: an empty object whose meta carries the type and rdev, tiers/base.py).
 - a tombstone deletes its key.
 
-Ordering rules (docs/SEMANTICS.md, "Order on the shared store"):
+Ordering rules (docs/SEMANTICS.md, "Stage 2: the warm tier"; docs/DESIGN.md, "Upload order"):
 - Items are numbered when queued. A commit marker (``.metadata``, ``latest``, ...) starts only
   when every item with a smaller number has finished, so a reader of the store that sees a
   marker finds everything closed before it. A marker queued again is numbered again. Moves

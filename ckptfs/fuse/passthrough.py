@@ -2,7 +2,7 @@
 
 With passthrough the kernel serves read/write/mmap of an open straight from a backing file (the
 staging file), without a request to the daemon. Kernel rules this module encodes (Linux 6.9+,
-checked on 6.18, see docs/PASSTHROUGH.md):
+checked on 6.18, see docs/DESIGN.md, "Passthrough"):
 
 - An inode is in one io mode at a time. While it has a passthrough open, a daemon-served open
   of it (page-cached or direct_io) fails with EIO, and the other way round. So the choice is

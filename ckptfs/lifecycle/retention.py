@@ -46,7 +46,7 @@ Besides the rules:
   every transition it verifies and from every run's listing (an evicted file in an archive
   class reads ``archived``): only a row still pointing at that object with the same bytes.
 
-A round lets the loop run (issue 19): the journal is walked ``YIELD_EVERY`` entries at a time,
+A round lets the loop run: the journal is walked ``YIELD_EVERY`` entries at a time,
 the listings processed likewise, and the pure parts (the checkpoints, the plan, the report)
 run in a worker thread on values the round owns (never the journal: it is trio-thread only).
 Interleavings this allows, and why none of them deletes or evicts what must stay:
@@ -801,7 +801,7 @@ class Retention:
         and ``held_by`` says who.
 
         ``scope`` says how much of the store a node with a lease inventories before it
-        knows whether it will apply (item 5 of issue 19: with a thousand nodes, a listing
+        knows whether it will apply (with a thousand nodes, a listing
         of the whole store by every node after every save is most of the store's load):
         - ``"full"`` (``ckptfs retention --apply``, tests): the whole store, as the plan
           that is shown;
@@ -1302,7 +1302,7 @@ class Retention:
 
         Why not at the start: the whole-store inventory of an interval round (every object
         listed, every journal row read) competed with the restarting job that reads its
-        checkpoint back, right when it does (issue 19: cold ``stat`` after a remount at
+        checkpoint back, right when it does (cold ``stat`` after a remount at
         40,000 files fell from ~700/s to 64/s). Waiting makes no round do anything it would
         not have done at the start, only later (module docstring); the uploads the start
         requeued, and every commit after it, still bring a local round (this node's NVMe

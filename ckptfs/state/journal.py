@@ -1,9 +1,9 @@
 """The journal: a SQLite (WAL) record of every inode and its state. The truth about local state.
 
-One row per inode (file, directory, symlink, FIFO, socket, device node). The directory tree is the ``(parent, name)``
-edges; a path is derived from them (``path_of``) rather than stored, so renaming a directory
-with 10,000 descendants is one row update. The checkpoint a file belongs to is the first
-component of that path.
+One row per inode (file, directory, symlink, FIFO, socket, device node). The directory tree
+is the ``(parent, name)`` edges; a path is derived from them (``path_of``) rather than
+stored, so renaming a directory with 10,000 descendants is one row update. The checkpoint a
+file belongs to is found from that path (lifecycle/checkpoints.py, ``checkpoint_pattern``).
 
 File states (their user-facing meaning: docs/SEMANTICS.md)::
 
@@ -24,7 +24,7 @@ Invariants:
 - Rows whose ``parent`` is NULL (other than the root) are unlinked inodes that were still open;
   they are purged at the next start.
 
-Hard links (schema 4; docs/HARD_LINKS.md): every name of a file is a row. The first is the
+Hard links (schema 4; docs/DESIGN.md, "Hard links"): every name of a file is a row. The first is the
 *head*: the inode the kernel knows, with the staging file ``data/<head>``, fetched ranges,
 xattrs and attributes. Each extra name is an *alias* row (``link_of`` = the head): its own
 ``(parent, name)`` and its own object in the store (state, ``remote_key``, ``uploading_key``,
@@ -32,7 +32,7 @@ tag, checksum of what is at its key), so every key still has at most one owner r
 store-facing modules treat each name as a file. An alias has no staging file, no ranges and
 no xattrs; it mirrors the head's mode, owner, size, times and version (namespace.py writes
 them in the head's transaction). Aliases point at a head, never at another alias, and only
-regular files have them.
+regular and special files (FIFOs, sockets, device nodes) have them.
 """
 
 from __future__ import annotations
@@ -600,7 +600,7 @@ class Journal:
         """Inodes that may differ from the warm tier: every linked inode except the root, open
         or incomplete files, and COMMITTED or REMOTE ones still at their committed key.
 
-        Start-up is then O(files to do), not O(files known) (issue 19): a remount of a staging
+        Start-up is then O(files to do), not O(files known): a remount of a staging
         directory with 100,000 committed files queues none of them. A COMMITTED or REMOTE
         entry renamed before the crash (its path no longer gives ``remote_key``) is in: its
         server-side move is the only thing that brings the object to its new key."""

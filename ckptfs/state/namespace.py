@@ -12,7 +12,7 @@ Invariants:
 - A cached row stays cached while the kernel knows it (lookup > 0), it is open, or it is dirty.
 - Names are bytes of 1-255 bytes with no '/' or NUL (the kernel checks this too).
 
-Hard links (journal.py "Hard links", docs/HARD_LINKS.md): a *name row* is the row of one
+Hard links (journal.py "Hard links", docs/DESIGN.md): a *name row* is the row of one
 name (``entry``); the *kernel row* is the inode the kernel knows (``lookup``, ``kernel``): the
 name row itself, or for an alias its head. The kernel never hears of an alias's ino.
 - ``persist`` of a head writes its aliases in the same transaction, with the head's mode,
