@@ -196,8 +196,11 @@ class Runner:
 
     async def operator(self, i: int, node: Node) -> None:
         """A node back from a power loss holds; the operator rewrites on it what it lost (its
-        files whose version the store does not have), then forgets its own id there."""
-        for path, cid in sorted(self.ref.files.items()):
+        files whose version the store does not have), then forgets its own id there: the
+        shards first, then the commit markers, each in the order the job closed them (as
+        docs/SEMANTICS.md asks of an operator after a power loss)."""
+        for path, cid in sorted(self.ref.files.items(),
+                                key=lambda item: (is_marker(item[0]), item[1])):
             if self.ref.writer.get(path) != i:
                 continue
             obj = self.objects.get(path)

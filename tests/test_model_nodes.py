@@ -136,6 +136,18 @@ RENAME_OF_A_REMOVED_DIRECTORY = (2, [
 SWEEP_AGAIN_AFTER_POWER_LOSS = (2, [
     Op("write", 0, "step1/a"), Op("rmtree", 1, "step1"), Op("power", 1),
     Op("write", 0, "step1/a"), Op("power", 1)])
+# Found by the generator: a node exchanged its file with another node's and renamed its own
+# away while its upload to the exchanged name was on its way: the copy that landed there was
+# retired pinned to its version, but the row that still named the other node's (replaced)
+# version at that key held the deletion back, and the stale copy stayed.
+EXCHANGE_THEN_RENAME = (2, [
+    Op("write", 1, "step1/a"), Op("write", 0, "step1.tmp/.metadata"),
+    Op("exchange", 0, "step1.tmp/.metadata", "step1/a"),
+    Op("rename", 0, "step1/a", "step1.tmp/a")])
+# Found by the generator (a fault of the simulated operator): after a power loss the lost
+# files are rewritten shards first, then markers, in the job's order.
+MARKERS_LOST_WITH_POWER = (2, [
+    Op("write", 0, "step1/n0.done"), Op("write", 0, "step1/.metadata"), Op("power", 0)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -149,7 +161,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "renamed-with-a-subdirectory": RENAMED_WITH_A_SUBDIRECTORY,
          "power-loss-after-commit": POWER_LOSS_AFTER_COMMIT,
          "rename-of-a-removed-directory": RENAME_OF_A_REMOVED_DIRECTORY,
-         "sweep-again-after-power-loss": SWEEP_AGAIN_AFTER_POWER_LOSS}
+         "sweep-again-after-power-loss": SWEEP_AGAIN_AFTER_POWER_LOSS,
+         "exchange-then-rename": EXCHANGE_THEN_RENAME,
+         "markers-lost-with-power": MARKERS_LOST_WITH_POWER}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

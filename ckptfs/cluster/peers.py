@@ -170,15 +170,30 @@ class Peers:
         self.records_written += 1
 
     async def delete(self, key: str, *, stamp: str | None = None, etag: str | None = None,
-                     moved_to: str | None = None) -> bool:
+                     moved_to: str | None = None, exact: bool = False) -> bool:
         """Delete the version of ``key`` that ``stamp`` and ``etag`` name, after recording it
         for its writer (as moved to ``moved_to`` if that is where it was copied). This
         node's own versions (and directory markers) are deleted as they are: nobody else
         holds them as theirs. With no version named, what is there is read first, and
-        treated as named. Returns whether a version was deleted (False: gone already, or
-        another version is there now, which stays)."""
-        if key.endswith("/") or self.own(stamp):
+        treated as named. ``exact``: one of this node's own versions too is deleted only if
+        it is still there, by its tag (a row of this node holds another version at the key;
+        the caller names the tag). Returns
+        whether a version was deleted (False: gone already, or another version is there
+        now, which stays)."""
+        if key.endswith("/") or (self.own(stamp) and not exact):
             await self.tier.delete(key)
+            return True
+        if self.own(stamp):
+            # No record to leave, but only that version: the one this node's row holds
+            # there is another node's (keys.py ``may_delete``) and stays.
+            try:
+                await self.tier.delete(key, if_etag=etag)
+            except PreconditionFailed:
+                log.info("%s: not deleted: the store holds another version than %s now",
+                         key, stamp)
+                return False
+            except ObjectMissing:
+                return False
             return True
         if etag is None or stamp is None:
             try:

@@ -291,10 +291,20 @@ class KeyClaims:
 
     # -- deletions ---------------------------------------------------------------------------
 
-    def may_delete(self, key: str) -> bool:
-        """Whether a tombstone of ``key`` may delete it now: no live inode owns it (a file
-        committed there since, by a rename over it or an exchange) and it is not hidden."""
-        return self.journal.holder_of(key) is None and not self.journal.is_hidden(key)
+    def may_delete(self, key: str, stamp: str | None = None) -> bool:
+        """Whether a tombstone of ``key`` may delete it now: it is not hidden, and no live
+        inode owns the version it names (a file committed there since, by a rename over it
+        or an exchange). A tombstone pinned to one version (``stamp``: the deletion is
+        conditional on it, peers.py) is not held back by a row that owns another version
+        there: the row's version is gone already (this node's own upload replaced it, and
+        the row is on its way elsewhere), and the pinned one would stay forever."""
+        if self.journal.is_hidden(key):
+            return False
+        for ino in self.journal.holders_of(key):
+            row = self.journal.get(ino)
+            if stamp is None or row is None or row.stamp is None or row.stamp == stamp:
+                return False
+        return True
 
     def keep_unowned(self, key: str) -> bool:
         """An entry removed while its copy was being written to ``key``: whether that copy

@@ -808,10 +808,13 @@ class Uploader:
                     # Overwritten here, not deleted (a rename over another node's file): its
                     # writer is told that version is gone.
                     await self.peers.record(stamp, key, Verdict.DELETED)
-                elif self.keys.may_delete(key):
+                elif self.keys.may_delete(key, stamp if etag else None):
                     # Only the version this node knew, with a record for its writer if that
-                    # is another node (peers.py).
-                    if await self.peers.delete(key, stamp=stamp, etag=etag, moved_to=moved_to):
+                    # is another node (peers.py); exactly that one if a row here holds
+                    # another version at the key.
+                    exact = self.journal.holder_of(key) is not None
+                    if await self.peers.delete(key, stamp=stamp, etag=etag, moved_to=moved_to,
+                                               exact=exact):
                         self.stats.deleted += 1
                 elif self.journal.holder_of(key) is not None:
                     # A file of this node's is committed there since: the version was
