@@ -6,12 +6,14 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import trio.testing
 
+from ckptfs.store.tiers.memory import MemoryTier
+from tests.corerig import RecordingTier, Rig, open_rig
 from tests.mounting import PASSTHROUGH, Mounter, Tmpfs, mounter_in
 from tests.s3bucket import Bucket, Server
 from tests.s3server import S3Server, start_server
@@ -27,6 +29,17 @@ def autojump_clock() -> trio.testing.MockClock:
     thread works. The threshold lets threads finish first.
     """
     return trio.testing.MockClock(autojump_threshold=0.1)
+
+
+@pytest.fixture
+async def rig(
+    tmp_path: Path, request: pytest.FixtureRequest, autojump_clock: trio.abc.Clock
+) -> AsyncIterator[Rig]:
+    """The filesystem core and its uploader over a fresh memory tier (tests/corerig.py)."""
+    inner = MemoryTier("warm", "memory://t", f"t-{request.node.name}-{id(tmp_path)}")
+    inner.objects.clear()
+    async with open_rig(tmp_path, RecordingTier(inner), inner) as opened:
+        yield opened
 
 
 # The two data paths of a mount (docs/PASSTHROUGH.md, "Tests"): every byte through the

@@ -1,5 +1,5 @@
 """ptdemo: a minimal pyfuse3 + trio filesystem that mirrors one flat directory, with or without
-FUSE passthrough (issue 16). A test and benchmark helper, not part of ckptfs.
+FUSE passthrough (docs/PASSTHROUGH.md). A test and benchmark helper, not part of ckptfs.
 
 ``--mode passthrough`` needs the pyfuse3 built by ``scripts/build_passthrough_fuse.sh``
 (``PYTHONPATH=/opt/ckptfs-fuse/python``): every open registers the mirrored file as the backing

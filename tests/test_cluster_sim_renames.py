@@ -1,6 +1,6 @@
 """The deterministic many-node simulation of tests/test_cluster_sim.py, with the renames that
 checkpoint saving is made of and power losses (docs/SEMANTICS.md, "Store keys", "Many nodes,
-one checkpoint", "Crashes and restarts"; issue 15).
+one checkpoint", "Crashes and restarts").
 
 Each node is the real filesystem core, uploader and coordinator (tests/cluster.py) over its own
 staging directory, all over one memory store; virtual time (the autojump clock); every choice

@@ -889,6 +889,21 @@ def _errno_of(fn: Callable[[], object]) -> int:
     return 0
 
 
+def _name_calls(path: Path, present: str, too_long: str) -> dict[str, Callable[[], object]]:
+    """Every call that takes a name, each with ``too_long`` as that name in ``path``
+    (``present`` is an existing file there, the source of the rename to ``too_long``)."""
+    return {
+        "create": lambda: os.close(os.open(path / too_long, os.O_CREAT | os.O_WRONLY, 0o644)),
+        "mkdir": lambda: os.mkdir(path / too_long),
+        "stat": lambda: os.stat(path / too_long),
+        "symlink": lambda: os.symlink("t", path / too_long),
+        "rename-to": lambda: os.rename(path / present, path / too_long),
+        "rename-from": lambda: os.rename(path / too_long, path / "z"),
+        "unlink": lambda: os.unlink(path / too_long),
+        "rmdir": lambda: os.rmdir(path / too_long),
+    }
+
+
 def test_long_names(mounter: Mounter, tmp_path: Path) -> None:
     m = mounter()
     ref = tmp_path / "ref"
@@ -910,18 +925,7 @@ def test_long_names(mounter: Mounter, tmp_path: Path) -> None:
         os.rename(path / ("r" * 255), path / n255)
 
         # One byte more: ENAMETOOLONG from every call that takes a name, as on a plain directory.
-        n256 = "y" * 256
-        calls: dict[str, Callable[[], object]] = {
-            "create": lambda: os.close(os.open(path / n256, os.O_CREAT | os.O_WRONLY, 0o644)),
-            "mkdir": lambda: os.mkdir(path / n256),
-            "stat": lambda: os.stat(path / n256),
-            "symlink": lambda: os.symlink("t", path / n256),
-            "rename-to": lambda: os.rename(path / n255, path / n256),
-            "rename-from": lambda: os.rename(path / n256, path / "z"),
-            "unlink": lambda: os.unlink(path / n256),
-            "rmdir": lambda: os.rmdir(path / n256),
-        }
-        for what, call in calls.items():
+        for what, call in _name_calls(path, n255, "y" * 256).items():
             assert _errno_of(call) == errno.ENAMETOOLONG, (root, what)
         assert sorted(os.listdir(path)) == sorted(["l" * 255, n255])
 

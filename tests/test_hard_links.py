@@ -28,10 +28,10 @@ from ckptfs.state.journal import ROOT_INODE, SCHEMA_VERSION, Journal, Row, State
 from ckptfs.state.staging import Staging
 from ckptfs.store.tiers.base import Kind
 from ckptfs.store.tiers.memory import MemoryTier
+from tests.corerig import RecordingTier, Rig, open_rig, read_path
 from tests.mounting import Mounter, sync
 from tests.test_retention_settle import node as retention_node
 from tests.test_retention_sim import write
-from tests.test_upload import RecordingTier, Rig, open_rig, read_path
 
 ROOT = ROOT_INODE
 

@@ -1,4 +1,4 @@
-"""Hot journal queries answer from an index (issue 19, item 4), and the range that replaces a
+"""Hot journal queries answer from an index, and the range that replaces a
 prefix scan selects exactly the keys with the prefix."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The journal's WAL is checkpointed by a worker thread, not inside the loop's commits
-(ckptfs/state/walcheckpoint.py; issue 19, item 1), and ``Journal.update`` writes only the columns
+(ckptfs/state/walcheckpoint.py), and ``Journal.update`` writes only the columns
 that changed, never fewer than a rollback undid."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Disk waits of an fsync run off the trio thread (issue 19, item 1): while one request
+"""Disk waits of an fsync run off the trio thread: while one request
 waits for the staging disk, the daemon answers the others.
 
 The disk is made slow on purpose (the staging file's and the journal's fsync block in their

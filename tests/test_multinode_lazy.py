@@ -68,7 +68,8 @@ class GatedTier(FaultyTier):
 async def test_a_reader_killed_holds_no_marker(
     tmp_path: Path, store: str, clock: trio.abc.Clock
 ) -> None:
-    """Issue 20, item 3: B mounts, lists and reads, and is SIGKILLed; A's markers go out."""
+    """A dead reader blocks nobody: B mounts, lists and reads, and is SIGKILLed; A's markers
+    still go out."""
     async with trio.open_nursery() as nursery:
         a = await nursery.start(functools.partial(run_node, tmp_path / "a", store, lazy=True))
         b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, lazy=True))

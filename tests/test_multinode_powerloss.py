@@ -1,5 +1,5 @@
 """A node that comes back from a power loss holds other nodes' barriers (noderun.py,
-coordination.py; docs/SEMANTICS.md, "Many nodes, one checkpoint"; issue 15 item 5).
+coordination.py; docs/SEMANTICS.md, "Many nodes, one checkpoint").
 
 A power loss is simulated on the rig of tests/cluster.py: the node is killed (nothing
 deregistered, its run record left unclean), its journal rolled back to a copy taken earlier

@@ -1,4 +1,4 @@
-"""Real-mount tests of issue 20, items 3 and 4: a dead reader blocks nobody, a read-only
+"""Real mounts of several nodes: a dead reader blocks nobody, a read-only
 mount, what ``nodes``/``status`` say about a node waited for, and what ``umount`` says about
 files it leaves behind (docs/SEMANTICS.md, "Many nodes"; docs/OPERATIONS.md).
 

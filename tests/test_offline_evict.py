@@ -1,5 +1,5 @@
 """``ckptfs evict --staging DIR``: offline eviction, the way out of a staging disk too full to
-mount (issue 20 item 8; docs/OPERATIONS.md, "The staging disk is full").
+mount (docs/OPERATIONS.md, "The staging disk is full").
 
 Every journal and staging directory here is made by a real mount (files written through it,
 uploaded, then unmounted); the offline command runs as the CLI does, as a subprocess, except

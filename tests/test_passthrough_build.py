@@ -1,5 +1,6 @@
-"""FUSE passthrough build (issue 16): scripts/build_passthrough_fuse.sh gives a pyfuse3 whose
-opens the kernel serves from a backing file, with no READ or WRITE request reaching the daemon.
+"""FUSE passthrough build (docs/PASSTHROUGH.md): scripts/build_passthrough_fuse.sh gives a
+pyfuse3 whose opens the kernel serves from a backing file, with no READ or WRITE request
+reaching the daemon.
 
 Runs the build script (cached: under a second once built; skipped only when its prerequisites
 cannot be fetched), then mounts tests/passthrough_fs.py (the demo fs) as a subprocess; every

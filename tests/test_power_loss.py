@@ -107,7 +107,7 @@ async def _open_file(a: Node, path: str) -> tuple[int, Row]:
                        os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
 
 
-# -- item 4: a committed local copy is durable, and checked after a reboot ---------------------
+# -- a committed local copy is durable, and checked after a reboot -----------------------------
 
 
 async def test_committed_data_survives_a_power_loss(
@@ -221,7 +221,7 @@ async def test_staged_file_cut_short_by_a_power_loss_is_incomplete_not_retried_f
         assert store_named(store)[PATH].body == DATA
 
 
-# -- item 9: make_durable with another reader holding a snapshot -------------------------------
+# -- make_durable with another reader holding a snapshot ---------------------------------------
 
 
 def test_make_durable_syncs_the_wal_while_a_reader_holds_a_snapshot(
@@ -306,7 +306,7 @@ async def test_fsync_is_durable_while_a_reader_holds_a_snapshot(
         a.fs.release(fh)
 
 
-# -- item 10: the space budget reserves exactly and gives the surplus back ---------------------
+# -- the space budget reserves exactly and gives the surplus back ------------------------------
 
 
 async def test_concurrent_extending_writes_are_accounted_exactly(

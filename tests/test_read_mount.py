@@ -342,7 +342,7 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Names from the store that are not safe path components (issue #6, item 5)
+# Names from the store that are not safe path components (docs/SEMANTICS.md)
 
 
 @pytest.mark.moto(UNSAFE_KEYS)

@@ -573,10 +573,10 @@ async def test_the_nodes_shared_state_is_not_an_entry(
 async def test_a_lookup_after_a_remount_checks_its_entry_not_the_whole_directory(
     tmp_path: Path, store: str, autojump_clock: trio.abc.Clock
 ) -> None:
-    """Issue 19: a remount over the same staging knows every entry, but no directory counts
-    as listed; the first lookup in each directory listed all of it (store and journal work
-    O(files in it), per directory touched). A committed file is checked with one HEAD of its
-    key; a directory is listed after ``HEADS_BEFORE_LISTING`` such checks."""
+    """A remount over the same staging knows every entry, but no directory counts as listed;
+    the first lookup in a directory must not list all of it (that would be store and journal
+    work O(files in it), per directory touched). A committed file is checked with one HEAD of
+    its key; a directory is listed after ``HEADS_BEFORE_LISTING`` such checks."""
     dirs, per_dir = 6, 2 * HEADS_BEFORE_LISTING
     await publish(tmp_path / "a", store, {f"d{d}/f{f:02d}": bytes([d, f])
                                           for d in range(dirs) for f in range(per_dir)})

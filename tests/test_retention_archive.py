@@ -1,6 +1,6 @@
 """Archive storage classes without a mount (memory tiers with classes, autojump clock).
 
-Item 1 of issue 20: the node whose retention moved a checkpoint into an archive class of the
+The node whose retention moved a checkpoint into an archive class of the
 warm tier's prefix must know it (``archived``, EAGAIN at open naming ``ckptfs restore``, and
 ``restore`` finds the files), however the class changed: its own run, a run cut short before
 the journal learnt it (the next run or listing catches up), another node's run or a lifecycle
@@ -222,7 +222,7 @@ async def test_a_new_version_is_not_taken_for_the_archived_one(
         assert state_label(row) == "committed"
 
 
-# -- item 2: restore pins ---------------------------------------------------------------
+# -- restore pins ------------------------------------------------------------------------------
 
 
 def kept_by(report: dict[str, Any], name: str) -> list[str]:

@@ -1,5 +1,5 @@
 """Real mounts: retention moving checkpoints to an archive class of the warm tier's prefix,
-``ckptfs restore`` of them, and what retention does next (issue 20, items 1 and 2).
+``ckptfs restore`` of them, and what retention does next.
 
 Policy: hot and warm keep the last complete checkpoint, ``cold`` (the warm tier's prefix in
 GLACIER) keeps them all; retention runs only when asked (``ckptfs retention --apply``).
@@ -76,7 +76,7 @@ def apply(m: Mount) -> dict[str, object]:
 
 def test_archived_checkpoint_on_the_node_that_archived_it(
         mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
-    """Item 1: after retention moved step_1 to GLACIER (in place) and evicted it, the node
+    """After retention moved step_1 to GLACIER (in place) and evicted it, the node
     that did it says ``archived``, open() fails at once with EAGAIN naming `ckptfs restore`,
     and ``ckptfs restore`` restores it; the same after a remount."""
     a = mounter("a", config=archive_config(bucket, tmp_path / "c.toml"))
@@ -102,7 +102,7 @@ def test_archived_checkpoint_on_the_node_that_archived_it(
 
 def test_retention_keeps_a_restored_checkpoint_where_restore_put_it(
         mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
-    """Item 2: ``restore --local`` of an archived checkpoint, then a retention run: it stays
+    """``restore --local`` of an archived checkpoint, then a retention run: it stays
     in the warm class and on NVMe (a pin, shown by ls-tiers), instead of going straight back
     to GLACIER and being evicted."""
     a = mounter("a", config=archive_config(bucket, tmp_path / "c.toml"))
@@ -128,7 +128,7 @@ def test_retention_keeps_a_restored_checkpoint_where_restore_put_it(
 
 def test_restore_finds_files_archived_behind_the_node(
         mounter: Mounter, bucket: Bucket, tmp_path: Path) -> None:
-    """Item 1, the other way round: a lifecycle rule (or another node's retention) moved an
+    """The other way round: a lifecycle rule (or another node's retention) moved an
     evicted file to GLACIER in place (same ETag). The node's ``restore`` lists the store
     again and finds it, instead of ``nothing to restore``; a read before that logs what to
     do (``ckptfs restore``), not a bare InvalidObjectState."""

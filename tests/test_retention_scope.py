@@ -1,4 +1,4 @@
-"""How much of the store a node's retention run inventories (issue 19, item 5).
+"""How much of the store a node's retention run inventories.
 
 - After a save (``scope="local"``) a node lists only the checkpoints it has NVMe copies of,
   evicts from that view, and takes the lease (then lists the whole store) only if that

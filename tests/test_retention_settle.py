@@ -1,4 +1,4 @@
-"""Checkpoints without a commit marker (item 9 of issue 20): plain ``torch.save`` into
+"""Checkpoints without a commit marker: plain ``torch.save`` into
 ``step_N/`` gets its "keep last N" by the settle rule (checkpoints.settle), as long as no
 other node writes to the store; ls-tiers and ``retention --plan`` say why one is skipped.
 """

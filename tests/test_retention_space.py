@@ -1,4 +1,4 @@
-"""Staging usage after removals (item 7 of issue 20): the space budget (``status``'s
+"""Staging usage after removals: the space budget (``status``'s
 ``used_bytes``, ``staging_max_bytes``, the metric) must stay equal to the data the staging
 directory holds, whoever removes files (retention's deletions, ``rm``) and in whatever order
 the references go (an open handle, the kernel's lookup count).

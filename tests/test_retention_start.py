@@ -1,6 +1,6 @@
 """When the daemon's retention task runs after a start, and that a round lets the loop run
-(issue 19: a whole-store round at the mount held the trio thread for seconds at 40,000 files
-while a restarting job read its checkpoint back).
+(a whole-store round at the mount must not hold the trio thread for seconds at 40,000 files
+while a restarting job reads its checkpoint back).
 
 - No round at the start: the first interval round (the whole store, under the lease) comes one
   ``retention_interval`` after the start, the next one an interval later;

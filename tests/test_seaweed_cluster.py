@@ -1,4 +1,4 @@
-"""A replicated SeaweedFS under a mount (issue #17 item 2): one of its two volume servers is
+"""A replicated SeaweedFS under a mount: one of its two volume servers is
 SIGKILLed and started again while checkpoints are read and written.
 
 The cluster (tests/seaweed.py ``SeaweedCluster``) keeps every volume on both volume servers

@@ -21,8 +21,8 @@ from ckptfs.errors import StoreUnavailable
 from ckptfs.state.journal import ROOT_INODE
 from ckptfs.store.tiers.base import Kind, NotEmptyYet, ObjectMeta, Progress
 from ckptfs.store.tiers.memory import MemoryTier
+from tests.corerig import RecordingTier, Rig, open_rig
 from tests.test_store_keys import _evict, _read
-from tests.test_upload import RecordingTier, Rig, open_rig
 
 ROOT = ROOT_INODE
 

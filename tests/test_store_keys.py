@@ -20,7 +20,7 @@ from ckptfs.errors import NotFound
 from ckptfs.state.journal import ROOT_INODE, State
 from ckptfs.store.tiers.base import Kind, ObjectInfo, ObjectMeta, Progress
 from ckptfs.store.tiers.memory import MemoryTier
-from tests.test_upload import RecordingTier, Rig, open_rig, rig  # noqa: F401 - the fixture
+from tests.corerig import RecordingTier, Rig, open_rig
 
 ROOT = ROOT_INODE
 

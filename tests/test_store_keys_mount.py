@@ -2,11 +2,11 @@
 
 Two mounts on this machine (two nodes: separate staging directories) over one S3 prefix on
 the suite's SeaweedFS; where the endpoint itself fails and slows requests (tests/s3server.py,
-``Rule``) the server is moto, whose requests go through that middleware (``moto`` marker). What the store holds is read with boto3, as a reader on
-another machine would. The unit-level versions are tests/test_store_keys.py and
-tests/test_peer_renames.py; the three scenarios here are issue 15's real-mount acceptance
-tests: a tmp-dir commit across nodes, a rotation with a store that fails once and is slow,
-a directory swap followed by evict and read-back.
+``Rule``) the server is moto, whose requests go through that middleware (``moto`` marker).
+What the store holds is read with boto3, as a reader on another machine would. The unit-level
+versions are tests/test_store_keys.py and tests/test_peer_renames.py; the three scenarios here
+are their real-mount counterparts: a tmp-dir commit across nodes, a rotation with a store that
+fails once and is slow, a directory swap followed by evict and read-back.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What a node takes from the store's metadata (store/trust.py, listing.py; docs/SEMANTICS.md,
-"What the store may decide"; issue 15 item 11): set-id bits stripped, impossible owners
+"What the store may decide"): set-id bits stripped, impossible owners
 mapped to nobody, bad symlink targets refused; the mount is nodev, and nosuid by default.
 
 Objects with hostile metadata are put straight into a memory store; a fresh node lists them.

@@ -149,7 +149,7 @@ async def test_overwrite_copy_delete(tier: Tier, tmp_path: Path) -> None:
 
 
 async def test_copy_is_pinned_to_the_source_tag(tier: Tier, tmp_path: Path) -> None:
-    """Issue 15 item 1: a copy names the version it copies; a rewritten source is refused,
+    """A copy names the version it copies; a rewritten source is refused,
     a missing one is missing, and copying does not change the source's own tag (a pinned
     copy retried after an error must still find it)."""
     a, data_a = make_file(tmp_path, 3000, "a")
@@ -183,7 +183,7 @@ FULL_META = ObjectMeta(Kind.FILE, 0o600, 1_700_000_000_987_654_321, os.getuid() 
 
 
 async def test_large_copy_keeps_every_piece_of_metadata(tier: Tier, tmp_path: Path) -> None:
-    """Issue 15 item 3: a copy at or above the size where S3 must copy in parts (5 GiB;
+    """A copy at or above the size where S3 must copy in parts (5 GiB;
     lowered here so that the multipart path runs on a small object) keeps mode, owner,
     mtime, checksum and block CRCs."""
     calls: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""Copies on a tier and between tiers (issue 15 items 1, 3 and 8), beyond the contract suite:
+"""Copies on a tier and between tiers, beyond the contract suite:
 
 - a pinned copy refuses a source rewritten between the caller's look and the copy itself,
   also in the middle of a multipart copy (which is then aborted);
@@ -58,6 +58,13 @@ def s3_tier(server: Server, url_tail: str, bucket: str | None = None) -> S3Tier:
     return tier
 
 
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    """Damage a file in place: same size, other bytes at ``offset``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
 def put_source(tmp_path: Path, size: int) -> tuple[Path, bytes, ObjectMeta]:
     data = os.urandom(size)
     path = tmp_path / f"src-{uuid.uuid4().hex}"
@@ -94,7 +101,7 @@ def rewrite_after_first(client: Any, operation: str, bucket: str, key: str) -> N
     client.meta.events.register(f"after-call.s3.{operation}", rewrite)
 
 
-# -- item 1: pinned copies on S3, with the source rewritten mid-way ---------------------------
+# -- pinned copies on S3, with the source rewritten mid-way ------------------------------------
 
 
 @pytest.mark.parametrize("size", [1000, SIZE], ids=["single", "multipart"])
@@ -134,7 +141,7 @@ async def test_file_tier_copies_the_inode_it_checked(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The file tier checks the tag on the inode it then links: a new version renamed over
     the source right after the check is not what lands at the target."""
-    import ckptfs.store.tiers.local as local
+    from ckptfs.store.tiers import local
 
     tier = FileTier("warm", f"file://{tmp_path}/store", tmp_path / "store")
     src, data, meta = put_source(tmp_path, 5000)
@@ -157,7 +164,7 @@ async def test_file_tier_copies_the_inode_it_checked(tmp_path: Path,
     assert (tmp_path / "store/ckpt.prev").read_bytes() == data
 
 
-# -- item 3: metadata through multipart copies, promote, transfers between tiers --------------
+# -- metadata through multipart copies, promote, transfers between tiers -----------------------
 
 
 async def test_promote_is_a_replace_with_the_same_metadata(s3: Server,
@@ -167,7 +174,7 @@ async def test_promote_is_a_replace_with_the_same_metadata(s3: Server,
     bucket = s3.new_bucket()
     tier = s3_tier(s3, "run1?storage_class=STANDARD_IA", bucket)
     for key, size in (("small", 1000), ("large", SIZE)):
-        src, data, meta = put_source(tmp_path, size)
+        _, data, meta = put_source(tmp_path, size)
         tier.client.put_object(Bucket=bucket, Key=tier._key(key), Body=data,
                                Metadata=meta.to_headers(), ContentType="application/x-ckpt",
                                StorageClass="STANDARD")
@@ -200,7 +207,7 @@ async def test_transfer_between_s3_tiers_keeps_metadata(s3: Server, tmp_path: Pa
     await cold.aclose()
 
 
-# -- item 8: copies through the node are checked against the recorded CRC32C ------------------
+# -- copies through the node are checked against the recorded CRC32C ---------------------------
 
 
 def test_stream_sums_match_file_sums(tmp_path: Path) -> None:
@@ -256,8 +263,7 @@ async def test_copy_from_a_file_tier_is_checked(tmp_path: Path) -> None:
     src, data, meta = put_source(tmp_path, 100_000)
     await store.put_file("step_1/model.pt", src, len(data), meta)
     # The bytes in the store are not the bytes the checksum was recorded for.
-    with open(tmp_path / "store/step_1/model.pt", "r+b") as f:
-        f.write(b"X")
+    overwrite(tmp_path / "store/step_1/model.pt", 0, b"X")
     with pytest.raises(CopyMismatch):
         await copy_object(store, cold, "step_1/model.pt", len(data), tmp_path, meta.checksum)
     assert cold.objects == {}
@@ -282,9 +288,8 @@ async def test_put_checked_refuses_nvme_data_that_changed(
     bare = dataclasses.replace(meta, blocks=None)
     await put_checked(cold, "k", src, len(data), bare, meta.checksum)
     assert cold.objects["k"].meta == meta  # with block CRCs, like an upload
-    with open(src, "r+b") as f:
-        f.seek(len(data) // 2)
-        f.write(b"\0" * 4096)  # pages lost in a power loss: same size, other bytes
+    # Pages lost in a power loss: same size, other bytes.
+    overwrite(src, len(data) // 2, b"\0" * 4096)
     with pytest.raises(CopyMismatch):
         await put_checked(cold, "k2", src, len(data), bare, meta.checksum)
     assert "k2" not in cold.objects
@@ -323,9 +328,7 @@ async def test_retention_does_not_copy_corrupt_nvme_data(
         await write(fs, "step_1/.metadata", b"step 1")
         await uploader.wait_idle()
         assert fs.ns.get(ino).state is State.COMMITTED
-        with open(staging.path(ino), "r+b") as f:
-            f.seek(1000)
-            f.write(b"\0" * 100)  # lost pages: same size, other bytes
+        overwrite(staging.path(ino), 1000, b"\0" * 100)  # lost pages: same size, other bytes
         result = await retention.run_once()
         nursery.cancel_scope.cancel()
     assert [(a.kind, a.tier, a.source) for a, _ in result.failed] == [("copy", "cold", "hot")]

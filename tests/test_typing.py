@@ -1,4 +1,5 @@
-"""The package stays `mypy --strict` clean (configured in pyproject.toml)."""
+"""The code stays `mypy --strict` clean and the whole repository `ruff check` clean (both
+configured in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -14,5 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(300)
 def test_mypy_strict() -> None:
     done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
-                          text=True)
+                          text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_ruff_check() -> None:
+    """Package, tests, benchmarks, examples and scripts: ``ruff check .`` from the root."""
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr

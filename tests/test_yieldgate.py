@@ -20,8 +20,8 @@ from ckptfs.store.tiers.base import Kind, ObjectMeta, ObjectMissing, Progress, T
 from ckptfs.store.tiers.local import CHUNK, FileTier
 from ckptfs.store.tiers.memory import MemoryTier
 from ckptfs.store.tiers.s3 import S3Tier
+from tests.corerig import RecordingTier, Rig, open_rig
 from tests.mounting import Mounter, ckptfs, status, tiers_config
-from tests.test_upload import RecordingTier, Rig, open_rig
 
 MiB = 1024 * 1024
 SETTLE = 0.25

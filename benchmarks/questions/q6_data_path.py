@@ -1,4 +1,5 @@
-"""Q6, the node data path (issue 16): how fast does one node write and read its checkpoints?
+"""Q6, the node data path (FUSE passthrough, docs/PASSTHROUGH.md): how fast does one node
+write and read its checkpoints?
 
 R ranks (threads started together) each write a file in 8 MiB ``write(2)`` calls and close it,
 then read it back in 8 MiB ``read(2)`` calls, in each place of ``--q6-places``:

@@ -1,5 +1,5 @@
-"""Q7, reading a checkpoint back through ckptfs (issue #4, "Performance"; the former
-benchmarks/restore.py, folded into run_all.py).
+"""Q7, reading a checkpoint back through ckptfs (the former benchmarks/restore.py, folded
+into run_all.py).
 
 Two measurements, for each warm tier (``--q7-store s3|file|both``):
 
@@ -12,7 +12,7 @@ Two measurements, for each warm tier (``--q7-store s3|file|both``):
                ``shutil.copyfile`` of every object out of the store dir, then reading.
      ckptfs    a FRESH mount (empty staging dir) over the populated store; the files are read
                through it. Reported with and without the mount time (CLI start + root listing).
-   Ratio: throughput ckptfs / baseline; target >= 1.0 on S3 (issue 17), >= 0.8 on a file store.
+   Ratio: throughput ckptfs / baseline; target >= 1.0 on S3, >= 0.8 on a file store.
    The S3 store is SeaweedFS (``weed mini`` on loopback, started by tests/seaweed.py: a real
    server, which moto is not: moto copied the whole object for every range GET and capped both
    sides near 20 MiB/s).

@@ -1,4 +1,4 @@
-"""Q8, responsiveness at scale (issue 19, item 8): does the daemon stay fast with many files?
+"""Q8, responsiveness at scale: does the daemon stay fast with many files?
 
 Measured from outside the daemon, file store on the local disk (the work dir):
 
@@ -31,7 +31,7 @@ Measured from outside the daemon, file store on the local disk (the work dir):
                   and during a rank-0 rotation (rm -r of a checkpoint every node wrote)
                   until every node has acted on the records of its shard's deletion.
 
-Targets (issue 19): creates >= 3,000/s and flat in the number of files; the longest metadata
+Targets: creates >= 3,000/s and flat in the number of files; the longest metadata
 answer during a 512 MiB-1 GiB fsync <= 50 ms; remount of 20,000 files ready <= 5 s, of 100,000
 <= 15 s; sync with nothing pending <= 0.1 s at 100,000 files; no O(n^2) in start-up or
 scheduling (the curves). Nothing is asserted.
@@ -65,7 +65,7 @@ from questions.common import (
     write_file,
 )
 
-TITLE = "Q8 responsiveness at scale (issue 19)"
+TITLE = "Q8 responsiveness at scale"
 PANELS = 2
 PER_DIR = 100
 PAYLOAD = b"x" * 1024

@@ -30,7 +30,7 @@ on the same disk and then ``upload_file``d by boto3 (4 at once, 16 MiB parts x 4
 defaults), clock from the last close. Fresh page-cache state each time: the files are written
 anew before each side, dirty, as a job leaves them.
 
-Targets (issue 29): write and read back <= 1.1x plain; ``torch.save`` <= 1.05x; ckptfs's S3
+Targets: write and read back <= 1.1x plain; ``torch.save`` <= 1.05x; ckptfs's S3
 throughput from the last close >= 1.0x boto3; the time to the store, ckptfs beside
 ckptfs-nogate (grows by no more than the settle).
 """
