@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build libfuse 3.17 and a pyfuse3 with FUSE passthrough support (issue 16), beside the stock ones.
+# Build libfuse 3.17 and a pyfuse3 with FUSE passthrough support, beside the stock ones.
 #
 #   libfuse 3.17.2  from Debian trixie's source package (trixie's binary needs glibc 2.38; bookworm
 #                   has 2.36), built with meson (PyPI) + ninja (Debian), installed in $PREFIX/lib.
