@@ -148,6 +148,13 @@ EXCHANGE_THEN_RENAME = (2, [
 # files are rewritten shards first, then markers, in the job's order.
 MARKERS_LOST_WITH_POWER = (2, [
     Op("write", 0, "step1/n0.done"), Op("write", 0, "step1/.metadata"), Op("power", 0)])
+# Found by the generator: a power loss rolled a node's journal back past the commit of its
+# file, which another node had replaced since; the file came back incomplete, and the record
+# naming its replaced version was dropped unread (the rolled-back row had no stamp), so the
+# node kept showing its lost file instead of the other node's.
+REPLACED_WHILE_LOST_TO_POWER = (2, [
+    Op("write", 0, "step1/a"), Op("rmtree", 0, "step1"), Op("write", 0, "step1/b"),
+    Op("write", 1, "step1/b"), Op("power", 0)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -163,7 +170,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "rename-of-a-removed-directory": RENAME_OF_A_REMOVED_DIRECTORY,
          "sweep-again-after-power-loss": SWEEP_AGAIN_AFTER_POWER_LOSS,
          "exchange-then-rename": EXCHANGE_THEN_RENAME,
-         "markers-lost-with-power": MARKERS_LOST_WITH_POWER}
+         "markers-lost-with-power": MARKERS_LOST_WITH_POWER,
+         "replaced-while-lost-to-power": REPLACED_WHILE_LOST_TO_POWER}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

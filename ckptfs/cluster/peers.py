@@ -109,6 +109,12 @@ def writer_of(stamp: str | None) -> str | None:
     return stamp.rpartition(":")[0]
 
 
+def version_of(stamp: str | None) -> int | None:
+    """The version number (within its writer's run) that ``stamp`` names."""
+    tail = (stamp or "").rpartition(":")[2].rpartition(".")[2]
+    return int(tail) if tail.isdigit() else None
+
+
 def record_key(stamp: str, key: str) -> str:
     writer, _, version = stamp.rpartition(":")
     return f"{FATES}{quote(writer, safe='')}/{quote(version, safe='')}/{quote(key, safe='')}"
@@ -274,6 +280,27 @@ class Peers:
             log.info("%s: %s by node %s%s; local copy dropped", key, record.fate.value,
                      record.by or "?", f" to {record.to}" if record.to else "")
         return verdicts, used
+
+    async def replaced(self, rows: dict[str, Row]) -> dict[str, Record]:
+        """Of ``rows`` (key -> a file of this node that came back incomplete after a power
+        loss while the store holds another node's version at its key), those whose version
+        another node replaced or deleted: the rolled-back journal forgot that it was
+        committed, but a record names it (this node, that version number, an earlier run).
+        The store's version then came after it in the job's order, and is the file."""
+        if not rows:
+            return {}
+        try:
+            records = await self.mailbox()
+        except (StoreUnavailable, TierError) as exc:
+            log.info("cannot read the records of this node (%s): deciding later", exc)
+            return {}
+        found: dict[str, Record] = {}
+        for record in records:
+            row = rows.get(record.key)
+            if row is not None and record.fate is not Verdict.LOST and \
+                    version_of(record.stamp) == row.version:
+                found[record.key] = record
+        return found
 
     async def drop(self, records: Iterable[Record]) -> None:
         """Delete records this node is done with (best effort: a leftover is read again)."""

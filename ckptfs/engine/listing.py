@@ -61,7 +61,7 @@ from collections.abc import Callable
 
 import trio
 
-from ckptfs.cluster.peers import Peers, Record, Verdict
+from ckptfs.cluster.peers import Peers, Record, Verdict, version_of
 from ckptfs.engine.keys import KeyClaims
 from ckptfs.errors import CkptfsError, NotEmpty, StoreUnavailable
 from ckptfs.state.journal import ROOT_INODE, Journal, Row, State
@@ -292,8 +292,8 @@ class Lister:
         waiting for a listing of their directories: an entry written here whose version was
         deleted or moved goes (its object is checked gone first: a record is written just
         before its deletion). Records about versions this node no longer holds as they were
-        are deleted unread further; those about an entry that is open stay for the next
-        round. Returns how many entries went."""
+        are deleted unread further; those about an entry that is open, or that may be a file
+        that came back incomplete, stay for the next round. Returns how many entries went."""
         try:
             records = await self.peers.mailbox()
         except (StoreUnavailable, TierError) as exc:
@@ -301,8 +301,12 @@ class Lister:
             return 0
         done: list[Record] = []
         removed = 0
+        # A file that came back incomplete after a power loss has no stamp any more (the
+        # journal forgot its upload): a record of its version is for the listing of its
+        # directory to decide (``Peers.replaced``), not unread garbage.
+        incomplete = self.journal.incomplete_versions()
         for record in records:
-            keep = False
+            keep = (version_of(record.stamp), record.key) in incomplete
             for ino in self.journal.with_stamp(record.stamp):
                 try:
                     row = self.ns.get(ino)
@@ -335,8 +339,17 @@ class Lister:
                                  record.fate.value, record.by or "?")
             if not keep:
                 done.append(record)
-        await self.peers.drop(done)
+        await self._drop_records(done)
         return removed
+
+    async def _drop_records(self, records: list[Record]) -> None:
+        """Delete records acted on, once what they made this node do is durable: a power
+        loss must not roll the journal back to before the act while the record is gone (the
+        node would hold its copy again with nothing to say why the store lacks it, and
+        upload it again)."""
+        if records:
+            await self.journal.make_durable_async()
+            await self.peers.drop(records)
 
     async def refresh_tree(self, directory: Row, *, current: bool = False) -> bool:
         """Refresh ``directory`` and every directory below it, waiting for each (before a
@@ -378,6 +391,8 @@ class Lister:
         details = await self._head_all(heads)
         lost = self._lost_candidates(prefix, remote, before, mark)
         verdicts, used = await self.peers.judge(lost)
+        replaced = await self.peers.replaced(self._lost_to_power(remote, details, before))
+        used += replaced.values()
         acted: set[str] = set()  # keys whose record was acted on: those records go
         # From here on nothing is awaited: the journal changes in one go. Everything the
         # decisions depend on is read again now, since the namespace went on meanwhile (an
@@ -412,6 +427,11 @@ class Lister:
                     self._maybe_update_special(existing, info)
                 elif self._recoverable(existing, info):
                     self._recover(existing, info)
+                elif info.key in replaced and self._recoverable(existing, None) and \
+                        replaced[info.key].key == info.key and \
+                        existing.version == self._lost_version(replaced[info.key]):
+                    self._recover(existing, info, by=replaced[info.key].by or "?")
+                    acted.add(info.key)
             for name, row in local.items():
                 if name in remote and remote[name].key not in skip:
                     continue
@@ -440,7 +460,7 @@ class Lister:
                 # No verdict (the records could not be read): the next listing decides.
         self._fresh_until[directory.ino] = self._clock() + self.ttl
         # A record not acted on (the entry changed meanwhile) stays for the next decision.
-        await self.peers.drop(r for r in used if r.key in acted)
+        await self._drop_records([r for r in used if r.key in acted])
         return True
 
     def _holds_copy(self, row: Row) -> bool:
@@ -654,17 +674,44 @@ class Lister:
                 and (info is None or (info.meta_known and info.meta.kind is Kind.FILE
                                       and self.peers.own(info.meta.stamp))))
 
-    def _recover(self, row: Row, info: ObjectInfo) -> None:
-        log.warning("%s: came back incomplete here; the version this node committed to the "
-                    "store before is taken (%d bytes)", info.key, info.size)
+    def _recover(self, row: Row, info: ObjectInfo, by: str | None = None) -> None:
+        """``row`` came back incomplete: it takes the store's version ``info``, this node's
+        own (committed before the power loss), or, ``by`` another node, the one that
+        replaced it since (``Peers.replaced``)."""
+        if by is None:
+            log.warning("%s: came back incomplete here; the version this node committed to "
+                        "the store before is taken (%d bytes)", info.key, info.size)
+        else:
+            log.warning("%s: came back incomplete here; node %s replaced the version this "
+                        "node committed before, and its version is taken (%d bytes)",
+                        info.key, by, info.size)
         row.incomplete = False
         # Nothing of it kept: _maybe_update drops the local data and takes the rest.
         row.state = State.COMMITTED
         row.remote_key = info.key
         row.checksum = row.remote_etag = None
         self._maybe_update(row, info)
-        row.closed_at = row.committed_at = time.time()  # this node's version, as before
+        if by is None:
+            row.closed_at = row.committed_at = time.time()  # this node's version, as before
         self.ns.persist(row)
+
+    def _lost_to_power(self, remote: dict[bytes, ObjectInfo], details: dict[str, ObjectInfo],
+                       before: dict[bytes, Row]) -> dict[str, Row]:
+        """Files of this node that came back incomplete while the store holds another
+        node's version at their key (key -> row): ``Peers.replaced`` says which of them
+        another node replaced after this node committed them."""
+        found: dict[str, Row] = {}
+        for name, listed in remote.items():
+            row = before.get(name)
+            info = details.get(listed.key, listed)
+            if row is not None and self._recoverable(row, None) and info.meta_known and \
+                    info.meta.kind is Kind.FILE and self.peers.foreign(info.meta.stamp):
+                found[info.key] = row
+        return found
+
+    @staticmethod
+    def _lost_version(record: Record) -> int | None:
+        return version_of(record.stamp)
 
     def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
         """Another node changed a special file's metadata (chmod, chown, touch): take it.
