@@ -155,6 +155,13 @@ MARKERS_LOST_WITH_POWER = (2, [
 REPLACED_WHILE_LOST_TO_POWER = (2, [
     Op("write", 0, "step1/a"), Op("rmtree", 0, "step1"), Op("write", 0, "step1/b"),
     Op("write", 1, "step1/b"), Op("power", 0)])
+# Found by the generator: a node renamed another node's directory; a power loss rolled its
+# journal back to its sweep's first listing after the sweep had carried the files, so the
+# sweep ran again and found them gone, and the node's rows still named their old keys (the
+# files then looked lost for good, shown incomplete).
+SWEPT_BEFORE_POWER_LOSS = (2, [
+    Op("write", 0, "step1/a"), Op("rmtree", 0, "step1"), Op("write", 0, "step2/a"),
+    Op("rename", 1, "step2", "step1"), Op("write", 0, "step1/a"), Op("power", 1)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -171,7 +178,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "sweep-again-after-power-loss": SWEEP_AGAIN_AFTER_POWER_LOSS,
          "exchange-then-rename": EXCHANGE_THEN_RENAME,
          "markers-lost-with-power": MARKERS_LOST_WITH_POWER,
-         "replaced-while-lost-to-power": REPLACED_WHILE_LOST_TO_POWER}
+         "replaced-while-lost-to-power": REPLACED_WHILE_LOST_TO_POWER,
+         "swept-before-power-loss": SWEPT_BEFORE_POWER_LOSS}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -1072,7 +1072,7 @@ class Uploader:
         if found is None:
             return
         old, new, mark = found
-        planned, fresh = await self._sweep_plan(sweep_id, old)
+        planned, fresh, missing = await self._sweep_plan(sweep_id, old)
         skip = self.keys.claimed() | self.journal.tombstoned_under(old) \
             | self.journal.hidden_under(old)
         left = [info for info in planned if info.key not in skip]
@@ -1081,6 +1081,8 @@ class Uploader:
                              key=lambda i: -i.key.count("/"))
         gone: list[tuple[ObjectInfo, str | None]] = []  # old versions to delete, moved to
         if new is not None:
+            for key in missing:
+                self._moved_before(key, new + key[len(old):], mark)
             for info in directories:
                 await self._sweep_directory(info, new + info.key[len(old):])
             for markers in (False, True):
@@ -1101,10 +1103,11 @@ class Uploader:
         self._wake()  # the moves that waited for it
 
     async def _sweep_plan(self, sweep_id: int, old: str
-                          ) -> tuple[list[ObjectInfo], list[ObjectInfo]]:
+                          ) -> tuple[list[ObjectInfo], list[ObjectInfo], list[str]]:
         """The objects under ``old`` that the sweep acts on, described: those its first
-        listing found, in the versions found then; and the others there now (a directory
-        marker with one of those under it stays).
+        listing found, in the versions found then; the others there now (a directory
+        marker with one of those under it stays); and the files of the first listing that
+        are gone (a run of this sweep before a power loss carried them).
 
         That listing is kept in the journal, durably, before the sweep changes anything in
         the store. Run again (a transient error, or a restart after a power loss that rolled
@@ -1130,9 +1133,27 @@ class Uploader:
         if plan is None:
             self.journal.set_sweep_plan(sweep_id, {i.key: _signature(i) for i in described})
             await self.journal.make_durable_async()
-            return described, []
+            return described, [], []
         planned = [i for i in described if plan.get(i.key) == _signature(i)]
-        return planned, [i for i in described if plan.get(i.key) != _signature(i)]
+        there = {i.key for i in described}
+        return (planned, [i for i in described if plan.get(i.key) != _signature(i)],
+                sorted(k for k in plan if k not in there and not k.endswith("/")))
+
+    def _moved_before(self, key: str, target: str, mark: int) -> None:
+        """A file of the first listing gone from the old prefix: an earlier run of this
+        sweep copied it to ``target`` and deleted it (the journal rolled back past that
+        run). The rows of this node still naming ``key`` take ``target``, as the first run
+        had them do (``_follow``); the listing of the new name takes whatever is there."""
+        for ino in self.journal.holders_of(key):
+            try:
+                row = self.ns.get(ino)
+            except NotFound:
+                continue
+            if _changed_here(row, mark):
+                continue  # its own upload carries it
+            row.remote_key = target
+            self.ns.persist(row)
+            self._continue(row.ino)
 
     async def _sweep_files(self, infos: list[ObjectInfo], old: str, new: str, mark: int
                            ) -> list[tuple[ObjectInfo, str | None]]:
