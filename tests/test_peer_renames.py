@@ -212,3 +212,43 @@ async def test_the_sweep_of_a_rename_survives_a_kill_of_the_renaming_node(
                                     "step_1/.metadata"}
         await a.stop()
         await b.stop()
+
+
+async def test_a_nodes_marker_is_carried_by_another_nodes_rename_while_its_own_removal_waits(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """B removed an old checkpoint (its sweep waits for the nodes' acks) and then closed its
+    marker into ``step_1.tmp/``; A renames ``step_1.tmp``. B's ack of A's sweep must wait for
+    that marker: it waits for B's sweep only if it is in a related directory, and this one is
+    not, so without the wait A's sweep ran first and the marker reached ``step_1.tmp/`` after
+    it, where it stayed (found by the model checker)."""
+    async with trio.open_nursery() as nursery:
+        slow = make_tier(store)
+        slow.bandwidth = 1000  # A's shard takes 20 s: A acks B's barriers only then
+        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store, tier=slow))
+        b = await nursery.start(run_node, tmp_path / "b", store)
+        await b.write("old/x", b"x")
+        await b.uploader.wait_until_done(b.uploader.last_seq())
+        await a.write("step_1.tmp/shard_0", b"a" * 20_000)
+        await _rmtree(b, "old")
+        await b.write("step_1.tmp/b.done", b"done")
+        await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+        with trio.fail_after(900):
+            while "step_1/b.done" not in store_named(store) or b.fs.journal.sweeps() or \
+                    a.fs.journal.sweeps():
+                await trio.sleep(1)
+        for _ in range(2):
+            await trio.sleep(10)
+            await a.uploader.wait_idle()
+            await b.uploader.wait_idle()
+        assert data_keys(store) == {"step_1/", "step_1/shard_0", "step_1/b.done"}
+        await a.stop()
+        await b.stop()
+
+
+async def _rmtree(node: Node, path: str) -> None:
+    """``rm -r path`` on ``node`` (files, then the directory)."""
+    directory = await ino_of(node.fs, path)
+    for child in list(node.fs.ns.children(directory, 0)):
+        assert child.name is not None
+        await node.fs.unlink(directory, child.name)
+    await node.fs.rmdir(ROOT_INODE, path.encode())

@@ -219,6 +219,7 @@ class Uploader:
         self._interrupted_keys: set[str] = set()
         # Directories renamed or removed whose sweep has not run yet: id -> old prefix.
         self._sweeping: dict[int, str] = {}
+        self._sweep_to: dict[int, str | None] = {}  # a pending sweep's new prefix (None: a removal)
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
         # Stamps of uploads, records of what this node does to other nodes' versions.
         self.peers = peers if peers is not None else Peers(tier)
@@ -271,6 +272,7 @@ class Uploader:
         found = self.journal.sweep(sweep_id)
         if found is not None:
             self._sweeping[sweep_id] = found[0]
+            self._sweep_to[sweep_id] = found[1]
         self._queue(("sweep", sweep_id))
 
     def hurry(self) -> None:
@@ -356,9 +358,11 @@ class Uploader:
         """Whether a file or directory item numbered ``upto_seq`` or less is not done yet
         (deletions of old copies aside; markers too, unless ``markers``).
 
-        With ``markers`` (a sweep's barrier), markers count, but not those queued after a
-        sweep of this node still to run: they wait for that sweep, which waits for the other
-        nodes' acks, which would wait for them (two nodes renaming directories at once).
+        With ``markers`` (a sweep's barrier), markers count, but not those that wait for a
+        sweep of this node still to run (one of a related directory, queued before them):
+        that sweep waits for the other nodes' acks, which would wait for them (two nodes
+        renaming directories at once). A marker of another directory counts: it would
+        otherwise reach its name after the other node's sweep had carried the directory.
         Markers themselves wait only for barriers acked on data (coordination.py), so an
         ack never waits for something that waits for it."""
         if any(seq <= upto_seq for seq in self._closing.values()):
@@ -369,16 +373,23 @@ class Uploader:
         # The moves of a renamed directory wait for its sweep, which waits for the other
         # nodes' acks: they carry a rename, not a file closed, so acks never wait for them.
         if markers:
-            sweeping = min((w.seq for w in items if w.key[0] == "sweep"), default=math.inf)
+            sweeps = [w for w in items if w.key[0] == "sweep"]
             return any(
-                w.key[0] == "ino" and w.seq <= upto_seq and (
-                    not self._names_marker(w.key) or w.seq < sweeping)
+                w.key[0] == "ino" and w.seq <= upto_seq
+                and not (self._names_marker(w.key) and self._after_own_sweep(w, sweeps))
                 and not self._waits_for_sweep(w.key[1])
                 for w in items)
         return any(
             w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
             and not self._waits_for_sweep(w.key[1])
             for w in items)
+
+    def _after_own_sweep(self, work: Work, sweeps: list[Work]) -> bool:
+        """Whether the marker item ``work`` waits for a sweep of this node still to run (one
+        numbered before it, of a directory related to its own: ``_before``)."""
+        path = self.journal.path_of(work.key[1])
+        key = os.fsdecode(path or b"")
+        return any(s.seq < work.seq and self._related(s.key[1], key) for s in sweeps)
 
     def pending(self) -> tuple[int, int]:
         """Files not uploaded yet (staged or uploading, in the journal) and their bytes: what
@@ -560,7 +571,8 @@ class Uploader:
                 return False
             sweep = work.key[0] == "sweep"
             if marker and floor < work.seq and (
-                    not (sweep or self._sweeping) or self._before(work.seq, sweep)):
+                    not (sweep or self._sweeping)
+                    or self._before(work.seq, sweep, None if sweep else target)):
                 return False
             if marker and self.coordinator is not None and \
                     not self.coordinator.is_released(work.seq, full=sweep):
@@ -637,19 +649,33 @@ class Uploader:
             return is_marker(os.fsdecode(row.name or b""), self.markers)
         return [r for r in rows if not marker(r)], [r for r in rows if marker(r)]
 
-    def _before(self, seq: int, sweep: bool) -> bool:
+    def _before(self, seq: int, sweep: bool, marker: str | None = None) -> bool:
         """Whether an item numbered below ``seq`` is still to finish (a marker or a sweep
         numbered ``seq`` waits for it), the moves that wait for a sweep aside: they carry a
         rename, not a file closed, and the sweep they wait for may be numbered after
         ``seq`` (a file renamed while uploading keeps its first number), while the markers
         of a renamed directory are numbered after its sweep and wait for it. A ``sweep``
         does not wait for deletions of old copies either: a directory's old key on a file
-        tier can go only once the sweep has moved what is under it."""
+        tier can go only once the sweep has moved what is under it. A marker (its key
+        ``marker``) waits only for the sweeps of directories related to its own (above it,
+        below it, or it: ``_related``), not for another checkpoint's rename or removal."""
         if any(s < seq for s in self._closing.values()):
             return True
         return any(w.seq < seq and not (sweep and w.key[0] == "tomb")
                    and not (w.key[0] == "ino" and self._waits_for_sweep(w.key[1]))
+                   and not (marker is not None and w.key[0] == "sweep"
+                            and not self._related(w.key[1], marker))
                    for w in (*self._pending.values(), *self._inflight.values()))
+
+    def _related(self, sweep_id: int, key: str) -> bool:
+        """Whether the pending sweep ``sweep_id`` moves or removes anything in the directory
+        of ``key`` or around it (either is an ancestor of the other): a marker there waits
+        for it."""
+        directory = key.rstrip("/").rpartition("/")[0]
+        directory = directory + "/" if directory else ""
+        prefixes = (self._sweeping.get(sweep_id), self._sweep_to.get(sweep_id))
+        return any(p is not None and (p.startswith(directory) or directory.startswith(p))
+                   for p in prefixes)
 
     def _swept_later(self, key: str | None) -> bool:
         """Whether ``key`` is under a directory renamed or removed here whose sweep has not
@@ -1100,6 +1126,7 @@ class Uploader:
                 await self.tier.delete(info.key)
         self.journal.drop_sweep(sweep_id)
         self._sweeping.pop(sweep_id, None)
+        self._sweep_to.pop(sweep_id, None)
         self._wake()  # the moves that waited for it
 
     async def _sweep_plan(self, sweep_id: int, old: str
