@@ -162,6 +162,11 @@ REPLACED_WHILE_LOST_TO_POWER = (2, [
 SWEPT_BEFORE_POWER_LOSS = (2, [
     Op("write", 0, "step1/a"), Op("rmtree", 0, "step1"), Op("write", 0, "step2/a"),
     Op("rename", 1, "step2", "step1"), Op("write", 0, "step1/a"), Op("power", 1)])
+# Found by the generator: another node deleted a file whose commit the writer's journal then
+# lost to a power loss (rolled back to before the upload): the writer uploaded it again and
+# brought back what the job removed.
+DELETED_WHILE_COMMIT_FORGOTTEN = (2, [
+    Op("write", 1, "step1/b"), Op("kill", 1), Op("unlink", 0, "step1/b"), Op("power", 1)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -179,7 +184,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "exchange-then-rename": EXCHANGE_THEN_RENAME,
          "markers-lost-with-power": MARKERS_LOST_WITH_POWER,
          "replaced-while-lost-to-power": REPLACED_WHILE_LOST_TO_POWER,
-         "swept-before-power-loss": SWEPT_BEFORE_POWER_LOSS}
+         "swept-before-power-loss": SWEPT_BEFORE_POWER_LOSS,
+         "deleted-while-commit-forgotten": DELETED_WHILE_COMMIT_FORGOTTEN}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -342,6 +342,55 @@ class Lister:
         await self._drop_records(done)
         return removed
 
+    async def settle_forgotten(self) -> int:
+        """After a power loss (the journal rolled back to its last durable point): files whose
+        upload the journal forgot, and whose version another node deleted, replaced or moved
+        since (a record names this node and that version, from an earlier run), go, instead
+        of being uploaded again (they would bring back what the job removed). Called once,
+        before the uploader starts; returns how many entries went."""
+        try:
+            records = await self.peers.mailbox()
+        except (StoreUnavailable, TierError) as exc:
+            log.warning("cannot read this node's records (%s): files committed before the "
+                        "power loss are uploaded again", exc)
+            return 0
+        # Versions above this were handed out after the roll-back point, to other contents.
+        known = self.journal.current_version()
+        done: list[Record] = []
+        removed = 0
+        for record in records:
+            version = version_of(record.stamp)
+            if record.fate is Verdict.LOST or version is None or version > known:
+                continue
+            row = self._row_at(record.key)
+            if row is None or row.version != version or row.stamp == record.stamp or \
+                    not stat.S_ISREG(row.mode) or row.incomplete or self._is_busy(row.ino) or \
+                    row.state not in (State.STAGED, State.UPLOADING) or row.parent is None or \
+                    row.name is None or self.ns.is_linked(row):
+                continue
+            with self.journal.transaction():
+                if self._remove(self.ns.get(row.parent), row.name, row):
+                    removed += 1
+                    log.warning("%s: its upload was forgotten by the power loss, and node %s "
+                                "%s that version since: not uploaded again", record.key,
+                                record.by or "?", record.fate.value)
+            done.append(record)
+        await self._drop_records(done)
+        return removed
+
+    def _row_at(self, key: str) -> Row | None:
+        """The entry at store key ``key`` (a path), if this node has one."""
+        ino = ROOT_INODE
+        for part in key.strip("/").split("/"):
+            found = self.journal.lookup(ino, os.fsencode(part))
+            if found is None:
+                return None
+            ino = found.ino
+        try:
+            return self.ns.get(ino)
+        except CkptfsError:
+            return None
+
     async def _drop_records(self, records: list[Record]) -> None:
         """Delete records acted on, once what they made this node do is durable: a power
         loss must not roll the journal back to before the act while the record is gone (the

@@ -522,6 +522,11 @@ class Uploader:
             self.tombstone_added(tomb_id, key)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.lister is not None and self.coordinator is not None and \
+                self.coordinator.hold is not None:
+            # Back from a power loss: before anything is uploaded again, what other nodes did
+            # meanwhile to versions whose commit the journal forgot (listing.py).
+            await self.lister.settle_forgotten()
         keys = set(self._interrupted_keys)
         try:
             removed = await self.tier.cleanup(keys)
