@@ -167,6 +167,13 @@ SWEPT_BEFORE_POWER_LOSS = (2, [
 # brought back what the job removed.
 DELETED_WHILE_COMMIT_FORGOTTEN = (2, [
     Op("write", 1, "step1/b"), Op("kill", 1), Op("unlink", 0, "step1/b"), Op("power", 1)])
+# Found by the generator: the same roll-back past a rename's sweep, with a new file written
+# since under the old name at a key the sweep had carried: the renaming node took the new
+# file for a newer version of the carried one and copied it over the renamed file.
+NEW_FILE_UNDER_THE_OLD_NAME = (2, [
+    Op("write", 0, "step2/a"), Op("write", 1, "step2/n1.done"),
+    Op("exchange", 0, "step2/a", "step2/n1.done"), Op("rename", 1, "step2", "step1"),
+    Op("write", 0, "step2/a"), Op("power", 1)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -185,7 +192,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "markers-lost-with-power": MARKERS_LOST_WITH_POWER,
          "replaced-while-lost-to-power": REPLACED_WHILE_LOST_TO_POWER,
          "swept-before-power-loss": SWEPT_BEFORE_POWER_LOSS,
-         "deleted-while-commit-forgotten": DELETED_WHILE_COMMIT_FORGOTTEN}
+         "deleted-while-commit-forgotten": DELETED_WHILE_COMMIT_FORGOTTEN,
+         "new-file-under-the-old-name": NEW_FILE_UNDER_THE_OLD_NAME}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

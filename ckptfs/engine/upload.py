@@ -1167,14 +1167,17 @@ class Uploader:
             await self.journal.make_durable_async()
             return described, [], []
         planned = [i for i in described if plan.get(i.key) == _signature(i)]
-        there = {i.key for i in described}
+        there = {i.key: _signature(i) for i in described}
+        # Gone from its key, or another file there now (written after the rename, under the
+        # name made again): carried by the earlier run either way.
         return (planned, [i for i in described if plan.get(i.key) != _signature(i)],
-                sorted(k for k in plan if k not in there and not k.endswith("/")))
+                sorted(k for k, sig in plan.items()
+                       if there.get(k) != sig and not k.endswith("/")))
 
     def _moved_before(self, key: str, target: str, mark: int) -> None:
-        """A file of the first listing gone from the old prefix: an earlier run of this
-        sweep copied it to ``target`` and deleted it (the journal rolled back past that
-        run). The rows of this node still naming ``key`` take ``target``, as the first run
+        """A file of the first listing gone from the old prefix (or replaced there by a file
+        written since): an earlier run of this sweep copied it to ``target`` and deleted it
+        (the journal rolled back past that run). The rows of this node still naming ``key`` take ``target``, as the first run
         had them do (``_follow``); the listing of the new name takes whatever is there."""
         for ino in self.journal.holders_of(key):
             try:
