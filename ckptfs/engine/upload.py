@@ -219,7 +219,8 @@ class Uploader:
         self._interrupted_keys: set[str] = set()
         # Directories renamed or removed whose sweep has not run yet: id -> old prefix.
         self._sweeping: dict[int, str] = {}
-        self._sweep_to: dict[int, str | None] = {}  # a pending sweep's new prefix (None: a removal)
+        # ... and its new prefix (None: a removal).
+        self._sweep_to: dict[int, str | None] = {}
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
         # Stamps of uploads, records of what this node does to other nodes' versions.
         self.peers = peers if peers is not None else Peers(tier)
@@ -1177,8 +1178,9 @@ class Uploader:
     def _moved_before(self, key: str, target: str, mark: int) -> None:
         """A file of the first listing gone from the old prefix (or replaced there by a file
         written since): an earlier run of this sweep copied it to ``target`` and deleted it
-        (the journal rolled back past that run). The rows of this node still naming ``key`` take ``target``, as the first run
-        had them do (``_follow``); the listing of the new name takes whatever is there."""
+        (the journal rolled back past that run). The rows of this node still naming ``key``
+        take ``target``, as the first run had them do (``_follow``); the listing of the new
+        name takes whatever is there."""
         for ino in self.journal.holders_of(key):
             try:
                 row = self.ns.get(ino)

@@ -83,8 +83,9 @@ def fuse_options(config: Config) -> set[str]:
         options.add("allow_other")
     # Device nodes can be made (as on any filesystem, by whoever may: the kernel checks
     # CAP_MKNOD) but never opened: a node could be made to name any device, and the store
-    # (another node's entries) is not trusted with that either; set-id bits of store entries are stripped (store/trust.py), and
-    # nosuid keeps the kernel from honouring those of local files unless the operator asks.
+    # (another node's entries) is not trusted with that either; set-id bits of store entries
+    # are stripped (store/trust.py), and nosuid keeps the kernel from honouring those of local
+    # files unless the operator asks.
     options.add("nodev")
     options.add("suid" if config.suid else "nosuid")
     if config.read_only:
