@@ -477,8 +477,7 @@ class Lister:
                 elif self._recoverable(existing, info):
                     self._recover(existing, info)
                 elif info.key in replaced and self._recoverable(existing, None) and \
-                        replaced[info.key].key == info.key and \
-                        existing.version == self._lost_version(replaced[info.key]):
+                        existing.version == version_of(replaced[info.key].stamp):
                     self._recover(existing, info, by=replaced[info.key].by or "?")
                     acted.add(info.key)
             for name, row in local.items():
@@ -757,10 +756,6 @@ class Lister:
                     info.meta.kind is Kind.FILE and self.peers.foreign(info.meta.stamp):
                 found[info.key] = row
         return found
-
-    @staticmethod
-    def _lost_version(record: Record) -> int | None:
-        return version_of(record.stamp)
 
     def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
         """Another node changed a special file's metadata (chmod, chown, touch): take it.
