@@ -289,7 +289,11 @@ def test_torch_save_load_big_state_dict(mounter: Mounter) -> None:
 # 2. DCP: save with 4 ranks, load with 2 (resharding)
 
 
-@pytest.mark.both_modes
+# The daemon-served data path by default; both with CKPTFS_TEST_FULL=1 (tests/full.py). A DCP
+# save and resharded load through passthrough runs in test_dcp_tmp_dir_rename below (its
+# mount takes the default, passthrough wherever it can run).
+@pytest.mark.parametrize("io_mode", full_or(["daemon"], ["daemon", "passthrough"]),
+                         indirect=True)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_dcp_save4_load2(mounter: Mounter, tmp_path: Path) -> None:
     m = mounter("dcp")
