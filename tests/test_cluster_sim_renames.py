@@ -39,7 +39,8 @@ Invariants, checked whenever a commit marker reaches the store and again at the 
   (``remote_key``) says, and has such an owner (at the end);
 - liveness: every marker written reaches the store, every node is back.
 
-64 nodes, 6 saves per variant (about 15 s each on 2 cores); ``CKPTFS_SIM_NODES``,
+64 nodes, 6 saves per variant (about 15 s each on 2 cores; 256 and 12 with
+``CKPTFS_TEST_FULL=1``, tests/full.py); ``CKPTFS_SIM_NODES``,
 ``CKPTFS_SIM_SAVES`` and ``CKPTFS_SIM_SEED`` change them (16 nodes and 10 saves over a few
 seeds is a quick search for new interleavings).
 """
@@ -64,9 +65,10 @@ from ckptfs.store.tiers.base import CONTROL_PREFIX
 from ckptfs.store.tiers.faulty import FaultyTier
 from ckptfs.store.tiers.memory import store_named
 from tests.cluster import Node, ObservedTier, durable_point, power_loss, run_node, write_file
+from tests.full import full_or
 
-NODES = int(os.environ.get("CKPTFS_SIM_NODES", "64"))
-SAVES = int(os.environ.get("CKPTFS_SIM_SAVES", "6"))
+NODES = int(os.environ.get("CKPTFS_SIM_NODES", full_or("64", "256")))
+SAVES = int(os.environ.get("CKPTFS_SIM_SAVES", full_or("6", "12")))
 SEED = int(os.environ.get("CKPTFS_SIM_SEED", "7"))
 SHARD = 48 * 1024
 BANDWIDTH = 16 * 1024  # a shard takes 3 s to upload

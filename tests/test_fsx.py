@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 
 from ckptfs.store.tiers.base import CONTROL_PREFIX
+from tests.full import full_or
 from tests.mounting import Mount, Mounter, ckptfs
 
 pytestmark = pytest.mark.mount
@@ -785,15 +786,17 @@ def _play(mount: Mount, tmp_path: Path, seed: int, steps: int, *,
         run.ref.close_all()
 
 
+# Two seeds per data path by default, three with CKPTFS_TEST_FULL=1 (tests/full.py).
 @pytest.mark.both_modes
-@pytest.mark.parametrize("seed", _seeds((1, 2, 3)))
+@pytest.mark.parametrize("seed", _seeds(full_or((1, 2), (1, 2, 3))))
 def test_fsx_matches_plain_directory(mounter: Mounter, tmp_path: Path, umask: Any,
                                      seed: int) -> None:
     _play(mounter(), tmp_path, seed, _steps(1000))
 
 
+# One seed per data path by default, two with CKPTFS_TEST_FULL=1 (tests/full.py).
 @pytest.mark.both_modes
-@pytest.mark.parametrize("seed", _seeds((101, 102)))
+@pytest.mark.parametrize("seed", _seeds(full_or((101,), (101, 102))))
 def test_fsx_across_remount(mounter: Mounter, tmp_path: Path, umask: Any, seed: int) -> None:
     steps = _steps(1000) * 3 // 4
     _play(mounter(), tmp_path, seed, steps, remount_at=(steps // 3, 2 * steps // 3),
@@ -828,8 +831,8 @@ def test_fsx_warm_tier_after_umount(mounter: Mounter, tmp_path: Path, umask: Any
 
 # 3,000 entries in CI (the kernel reads a directory ~100 entries per request, so that is
 # still 30 readdir pages and several of the namespace's listing batches); the full 10,000 with
-# CKPTFS_TEST_BIG_DIR=10000 (benchmarks/README.md, "Full-size tests").
-BIG_DIR = int(os.environ.get("CKPTFS_TEST_BIG_DIR", "3000"))
+# CKPTFS_TEST_FULL=1 (tests/full.py) or CKPTFS_TEST_BIG_DIR=10000.
+BIG_DIR = int(os.environ.get("CKPTFS_TEST_BIG_DIR", full_or("3000", "10000")))
 
 
 def test_a_big_directory(mounter: Mounter) -> None:

@@ -10,7 +10,8 @@ node's view against the reference: the job's operations applied in order.
 
 The examples below are programs it found (or that reproduce what was found by hand on real
 mounts); each failed before the fix it names. ``CKPTFS_TEST_MODEL_EXAMPLES=N`` runs N
-generated programs (CI: a bounded number); ``CKPTFS_TEST_MODEL_SEED`` picks the seed.
+generated programs (default 25, 50 with ``CKPTFS_TEST_FULL=1``); ``CKPTFS_TEST_MODEL_SEED``
+picks the seed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, seed, settings
 
+from tests.full import full_or
 from tests.model_ref import Op, programs
 from tests.model_run import run_program
 
-EXAMPLES = int(os.environ.get("CKPTFS_TEST_MODEL_EXAMPLES", "50"))
+# 25 generated programs by default, 50 with CKPTFS_TEST_FULL=1 (tests/full.py).
+EXAMPLES = int(os.environ.get("CKPTFS_TEST_MODEL_EXAMPLES", full_or("25", "50")))
 SEED = int(os.environ.get("CKPTFS_TEST_MODEL_SEED", "28"))
 
 

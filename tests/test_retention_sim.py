@@ -29,6 +29,7 @@ from ckptfs.state.staging import Staging
 from ckptfs.store.tiers import open_tier
 from ckptfs.store.tiers.base import Tier
 from ckptfs.store.tiers.memory import MemoryTier
+from tests.full import full_or
 from tests.s3bucket import Server
 
 T0 = datetime(2025, 3, 3, 0, 30, tzinfo=UTC).timestamp()  # a Monday, half past midnight
@@ -36,8 +37,8 @@ HOURS = 240
 STEP = 100
 # On the S3 server every simulated hour is a few dozen real requests: four days there in
 # .ci/run (hourly -> daily transitions, archive milestones, one ISO week), the ten with
-# CKPTFS_TEST_SIM_S3_HOURS=240 (benchmarks/README.md, "Full-size tests").
-S3_HOURS = int(os.environ.get("CKPTFS_TEST_SIM_S3_HOURS", "96"))
+# CKPTFS_TEST_FULL=1 (tests/full.py) or CKPTFS_TEST_SIM_S3_HOURS=240.
+S3_HOURS = int(os.environ.get("CKPTFS_TEST_SIM_S3_HOURS", full_or("96", "240")))
 
 
 def name(i: int) -> str:

@@ -11,7 +11,8 @@ of this test's wall time (about 110 s: 90 s of it waiting for the first failure)
 something it could skip: the status it checks is the one a failed upload produces.
 
 In CI (``brief``) the server is back within seconds, before SeaweedFS gives up on a write;
-the full run (``reported``, ``CKPTFS_TEST_CLUSTER_FULL=1``) waits for the failures.
+the full run (``reported``, ``CKPTFS_TEST_CLUSTER_FULL=1`` or ``CKPTFS_TEST_FULL=1``) waits for
+the failures.
 
 What is checked: a checkpoint synced before the kill reads back from the store (evicted
 first) while the server is down; a checkpoint written while it is down stays queued, its
@@ -30,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests.full import FULL as FULL_SUITE
 from tests.mounting import Mount, Mounter, ckptfs, status, sync, tiers_config
 from tests.s3bucket import PART_SIZE, store_lines
 from tests.seaweed import SeaweedCluster, start_seaweed_cluster, weed_binary
@@ -80,13 +82,13 @@ def reported(report: dict[str, Any]) -> bool:
 
 
 # The full run waits for the first failed upload (about 110 s); CI runs the brief outage.
-FULL = bool(os.environ.get("CKPTFS_TEST_CLUSTER_FULL"))
+FULL = FULL_SUITE or bool(os.environ.get("CKPTFS_TEST_CLUSTER_FULL"))
 
 
 @pytest.mark.parametrize("outage", [
     "brief",  # back before SeaweedFS gives up on a write: the uploads stall, then go up
     pytest.param("reported", marks=pytest.mark.skipif(
-        not FULL, reason="~2 minutes: CKPTFS_TEST_CLUSTER_FULL=1 (benchmarks/README.md)")),
+        not FULL, reason="~2 minutes: CKPTFS_TEST_FULL=1 (tests/full.py)")),
 ])
 def test_volume_server_killed_and_restarted_nothing_lost(
         cluster: SeaweedCluster, mounter: Mounter, tmp_path: Path, outage: str) -> None:
