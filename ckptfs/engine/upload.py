@@ -1181,11 +1181,7 @@ class Uploader:
         (the journal rolled back past that run). The rows of this node still naming ``key``
         take ``target``, as the first run had them do (``_follow``); the listing of the new
         name takes whatever is there."""
-        for ino in self.journal.holders_of(key):
-            try:
-                row = self.ns.get(ino)
-            except NotFound:
-                continue
+        for row in self._holder_rows(key):
             if _changed_here(row, mark):
                 continue  # its own upload carries it
             row.remote_key = target
@@ -1215,15 +1211,21 @@ class Uploader:
                 nursery.start_soon(one, info)
         return out
 
+    def _holder_rows(self, key: str) -> list[Row]:
+        """The live rows of this node whose committed copy is at ``key``."""
+        rows = []
+        for ino in self.journal.holders_of(key):
+            try:
+                rows.append(self.ns.get(ino))
+            except NotFound:
+                continue
+        return rows
+
     def _held(self, key: str, mark: int) -> bool:
         """Whether a row of this node holds ``key`` and changed here since the sweep's mark
         (a new version on its way, or written here since the rename): the key is its
         business."""
-        for ino in self.journal.holders_of(key):
-            try:
-                row = self.ns.get(ino)
-            except NotFound:
-                continue
+        for row in self._holder_rows(key):
             if _changed_here(row, mark):
                 return True
         return False
@@ -1231,11 +1233,7 @@ class Uploader:
     def _follow(self, info: ObjectInfo, target: str) -> None:
         """The rows holding ``info.key`` take ``target``, where it was copied, and its
         version if it is not theirs (another node rewrote the file before the rename)."""
-        for ino in self.journal.holders_of(info.key):
-            try:
-                row = self.ns.get(ino)
-            except NotFound:
-                continue
+        for row in self._holder_rows(info.key):
             same = _same_version(row, info)
             self.journal.note_committed(row.ino)
             with self.journal.transaction():
