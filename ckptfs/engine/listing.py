@@ -362,7 +362,7 @@ class Lister:
             version = version_of(record.stamp)
             if record.fate is Verdict.LOST or version is None or version > known:
                 continue
-            row = self._row_at(record.key)
+            row = self.ns.entry_at(record.key)
             if row is None or row.version != version or row.stamp == record.stamp or \
                     not stat.S_ISREG(row.mode) or row.incomplete or self._is_busy(row.ino) or \
                     row.state not in (State.STAGED, State.UPLOADING) or row.parent is None or \
@@ -377,19 +377,6 @@ class Lister:
             done.append(record)
         await self._drop_records(done)
         return removed
-
-    def _row_at(self, key: str) -> Row | None:
-        """The entry at store key ``key`` (a path), if this node has one."""
-        ino = ROOT_INODE
-        for part in key.strip("/").split("/"):
-            found = self.journal.lookup(ino, os.fsencode(part))
-            if found is None:
-                return None
-            ino = found.ino
-        try:
-            return self.ns.get(ino)
-        except CkptfsError:
-            return None
 
     async def _drop_records(self, records: list[Record]) -> None:
         """Delete records acted on, once what they made this node do is durable: a power

@@ -1141,16 +1141,9 @@ class Retention:
 
     def _lookup(self, name: str) -> Row | None:
         """The namespace row at path ``name`` (relative to the mount), or None."""
-        from ckptfs.errors import NotFound
-
         assert self.fs is not None
-        row = self.fs.ns.get(ROOT_INODE)
-        for part in name.split("/"):
-            try:
-                row = self.fs.ns.lookup(row.ino, os.fsencode(part))
-            except NotFound:
-                return None
-        return row
+        row = self.fs.ns.entry_at(name)
+        return None if row is None else self.fs.ns.kernel(row)
 
     def _check_not_open(self, c: Checkpoint) -> None:
         path = self._open_file(c.name)

@@ -124,6 +124,17 @@ class Namespace:
             return []
         return [self._rows.setdefault(found.ino, found) for found in self.journal.aliases(head)]
 
+    def entry_at(self, path: str) -> Row | None:
+        """The name row at ``path`` (relative to the root, "/"-separated: a store key is
+        one), or None if there is no such entry here."""
+        row = self.get(ROOT_INODE)
+        for part in path.strip("/").split("/"):
+            try:
+                row = self.entry(row.ino, os.fsencode(part))
+            except (NotFound, NotADirectory):
+                return None
+        return row
+
     def entry(self, parent: int, name: bytes) -> Row:
         """The name row of ``name`` in ``parent`` (``.`` and ``..``: the directories)."""
         parent_row = self.get(parent)
