@@ -388,9 +388,11 @@ class Uploader:
     def _after_own_sweep(self, work: Work, sweeps: list[Work]) -> bool:
         """Whether the marker item ``work`` waits for a sweep of this node still to run (one
         numbered before it, of a directory related to its own: ``_before``)."""
-        path = self.journal.path_of(work.key[1])
-        key = os.fsdecode(path or b"")
-        return any(s.seq < work.seq and self._related(s.key[1], key) for s in sweeps)
+        earlier = [s for s in sweeps if s.seq < work.seq]
+        if not earlier:
+            return False  # the usual case: no path to look up
+        key = os.fsdecode(self.journal.path_of(work.key[1]) or b"")
+        return any(self._related(s.key[1], key) for s in earlier)
 
     def pending(self) -> tuple[int, int]:
         """Files not uploaded yet (staged or uploading, in the journal) and their bytes: what
