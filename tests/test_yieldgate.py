@@ -194,8 +194,8 @@ def test_disabled_gate_is_always_open() -> None:
 def test_a_mount_holds_uploads_for_the_job_and_sync_does_not_wait(
         tmp_path: Path, mounter: Mounter) -> None:
     """On a real mount: a file closed while another is open waits for it (status says why,
-    the file reads staged), ``ckptfs sync`` does not wait for the job, and the file left open
-    goes up once it is closed."""
+    the file reads staged), ``ckptfs sync`` does not wait for the job (and leaves the gate
+    as it found it), and the file left open goes up once it is closed."""
     store = tmp_path / "store"
     store.mkdir()
     m = mounter(config=tiers_config(tmp_path / "c.toml", store.as_uri()))
@@ -213,6 +213,12 @@ def test_a_mount_holds_uploads_for_the_job_and_sync_does_not_wait(
         ckptfs("sync", m.path)
         assert time.monotonic() - t0 < 20  # not upload_hold_max (30 s) after the open
         assert (store / "model.pt").read_bytes() == b"m" * 4096
+        # The sync opened the gate only while it waited: the next file closed beside the
+        # open log waits for the job again (it once went up within 2 s of a sync).
+        (m.path / "optim.pt").write_bytes(b"o" * 4096)
+        time.sleep(1.0)
+        assert os.getxattr(m.path / "optim.pt", "user.ckptfs.state") == b"staged"
+        assert not (store / "optim.pt").exists()
         log.write(b"step 2\n")
     ckptfs("sync", m.path)
     assert (store / "train.log").read_bytes() == b"step 1\nstep 2\n"

@@ -276,11 +276,15 @@ class Uploader:
             self._sweep_to[sweep_id] = found[1]
         self._queue(("sweep", sweep_id))
 
-    def hurry(self) -> None:
-        """A writer waits for space, or ``ckptfs sync`` waits: retry failed items (and probe a
-        store taken as down) soon, whatever their backoff says."""
+    def hurry(self, *, for_space: bool = True) -> None:
+        """A writer waits for space (``for_space``), or ``ckptfs sync`` waits: retry failed
+        items (and probe a store taken as down) soon, whatever their backoff says."""
         limit = self._clock() + HURRY_DELAY
-        self.gate.bypass_for(2 * HURRY_DELAY)  # writers waiting for space hurry every second
+        if for_space:
+            # Writers waiting for space hurry every second. A sync opens the gate only while
+            # it waits (``wait_until_done``): a gate left open after it returns would let
+            # uploads run through the burst a job starts right after its sync.
+            self.gate.bypass_for(2 * HURRY_DELAY)
         self._probe_at = min(self._probe_at, limit)
         for work in self._pending.values():
             if work.not_before > limit:

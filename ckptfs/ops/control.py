@@ -467,7 +467,7 @@ class ControlServer:
         """Stream progress until everything closed so far (under ``path``) is committed."""
         # Someone waits for the store now: failing items (and a store-down probe) are tried
         # within a second, not after their backoff (up to 90 s).
-        self.uploader.hurry()
+        self.uploader.hurry(for_space=False)
         if self.passthrough is not None:
             self.passthrough.poll()  # a file unmapped just now is staged before we look
         upto = self.uploader.last_seq()
