@@ -634,7 +634,7 @@ class PassthroughFiles:
 
     def _stat(self, ino: int) -> tuple[int, int]:
         try:
-            st = os.stat(self.fs.staging.path(ino))
+            st = self.fs.staging.stat(ino)
         except FileNotFoundError:
             return (-1, -1)
         return (st.st_size, st.st_mtime_ns)

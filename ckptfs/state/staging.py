@@ -61,6 +61,7 @@ class Staging:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.data_dir = root / "data"
+        self._data_str = os.fspath(self.data_dir)
         self._open: dict[int, _OpenData] = {}
         # Descriptors of data files unlinked while still held (a fetch in flight when a file
         # was evicted): closed at their last release, never handed out again.
@@ -212,6 +213,15 @@ class Staging:
 
     def exists(self, ino: int) -> bool:
         return self.path(ino).exists()
+
+    def stat(self, ino: int) -> os.stat_result:
+        """``ino``'s data file's status: through the descriptor held for it if any (no path
+        walk: a passthrough file is looked at three times per create), else by its path.
+        FileNotFoundError if there is none."""
+        data = self._open.get(ino)
+        if data is not None:
+            return os.fstat(data.fd)
+        return os.stat(os.path.join(self._data_str, str(ino)))
 
     def acquire(self, ino: int) -> int:
         """A file descriptor for ``ino``'s data, created empty if missing. Pair with release."""
