@@ -72,6 +72,8 @@ class Reference:
     links: dict[str, tuple[int, int]] = field(default_factory=dict)
     # The node of the last rename or removal at each path (the job's order for namespaces).
     moved_by: dict[str, int] = field(default_factory=dict)
+    # Names removed from a link group by a node other than the group's: (node, path).
+    unlinked_from: dict[tuple[int, int], set[tuple[int, str]]] = field(default_factory=dict)
     history: dict[str, set[int]] = field(default_factory=dict)  # contents ever at a path
     # A marker's content -> (when it became a marker, {name in its directory: content id}).
     markers: dict[int, tuple[int, dict[str, int]]] = field(default_factory=dict)
@@ -87,6 +89,7 @@ class Reference:
         return replace(self, files=dict(self.files), dirs=set(self.dirs),
                        writer=dict(self.writer), links=dict(self.links),
                        moved_by=dict(self.moved_by),
+                       unlinked_from={k: set(v) for k, v in self.unlinked_from.items()},
                        history={k: set(v) for k, v in self.history.items()},
                        markers=dict(self.markers), closed_at=dict(self.closed_at),
                        arrived=dict(self.arrived))
@@ -152,7 +155,7 @@ class Reference:
         """``rename(2)`` of a file or a directory (over a file, or an empty directory)."""
         moves = {p: dst + p[len(src):] for p in self.under(src)}
         if dst in self.files:
-            self._drop(dst)
+            self._drop(dst, node)
         self.dirs.discard(dst)
         files = {moves[p]: self.files.pop(p) for p in list(self.files) if p in moves}
         # The renaming node carries the move: its queue orders it (a marker moved is its).
@@ -185,18 +188,20 @@ class Reference:
             if is_marker(p):
                 self._marker(p, moved=True)
 
-    def _drop(self, path: str) -> None:
+    def _drop(self, path: str, node: int) -> None:
         self.files.pop(path, None)
         self.writer.pop(path, None)
-        self.links.pop(path, None)
+        group = self.links.pop(path, None)
+        if group is not None and group[0] != node:
+            self.unlinked_from.setdefault(group, set()).add((node, path))
 
     def unlink(self, node: int, path: str) -> None:
-        self._drop(path)
+        self._drop(path, node)
         self.moved_by[path] = node
 
     def rmtree(self, node: int, path: str) -> None:
         for p in self.under(path):
-            self._drop(p)
+            self._drop(p, node)
             self.dirs.discard(p)
             self.moved_by[p] = node
 

@@ -256,11 +256,17 @@ class Runner:
         if file_level:
             for q in paths:
                 actors |= {x for p, x in self.ref.writer.items() if self._related(p, q)}
+        # A write through a hard link: the daemon is told the inode, never the name, so the
+        # writing node must see first what other nodes removed of the file's names (a name
+        # removed meanwhile would take the new bytes too; docs/HARD_LINKS.md).
+        group = self.ref.links.get(op.a) if op.kind == "write" else None
+        removed = self.ref.unlinked_from.get(group, set()) if group else set()
+        actors |= {x for x, _ in removed}
         actors.discard(op.node)
         for x in sorted(actors):
             await self.sync(x)
         if op.kind != "write" or actors:
-            await self.refresh(op.node, paths)
+            await self.refresh(op.node, paths + sorted(p for _, p in removed))
 
     async def refresh(self, i: int, paths: list[str]) -> None:
         """Node ``i`` lists anew the directories of ``paths`` (as a lookup would, past the

@@ -177,6 +177,14 @@ NEW_FILE_UNDER_THE_OLD_NAME = (2, [
     Op("write", 0, "step2/a"), Op("write", 1, "step2/n1.done"),
     Op("exchange", 0, "step2/a", "step2/n1.done"), Op("rename", 1, "step2", "step1"),
     Op("write", 0, "step2/a"), Op("power", 1)])
+# Found by the generator (a rule of the job, kept in the runner: tests/model_run.py
+# ``prepare``): another node unlinked one name of a hard-linked file, and the linking node
+# wrote the file through another name before it saw the removal: the daemon is told the
+# inode, not the name, so the new bytes went to every name it still showed and the removed
+# name came back. The writing node must see the removal first (docs/HARD_LINKS.md).
+LINK_NAME_REMOVED_THEN_WRITTEN = (2, [
+    Op("write", 0, "step1/m/a"), Op("link", 0, "step1/m/a", "step1/l1"),
+    Op("unlink", 1, "step1/l1"), Op("write", 0, "step1/m/a")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -196,7 +204,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "replaced-while-lost-to-power": REPLACED_WHILE_LOST_TO_POWER,
          "swept-before-power-loss": SWEPT_BEFORE_POWER_LOSS,
          "deleted-while-commit-forgotten": DELETED_WHILE_COMMIT_FORGOTTEN,
-         "new-file-under-the-old-name": NEW_FILE_UNDER_THE_OLD_NAME}
+         "new-file-under-the-old-name": NEW_FILE_UNDER_THE_OLD_NAME,
+         "link-name-removed-then-written": LINK_NAME_REMOVED_THEN_WRITTEN}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
