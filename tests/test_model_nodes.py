@@ -185,6 +185,13 @@ NEW_FILE_UNDER_THE_OLD_NAME = (2, [
 LINK_NAME_REMOVED_THEN_WRITTEN = (2, [
     Op("write", 0, "step1/m/a"), Op("link", 0, "step1/m/a", "step1/l1"),
     Op("unlink", 1, "step1/l1"), Op("write", 0, "step1/m/a")])
+# Found by the generator, on one node: a file renamed within its directory, a new file
+# closed under its old name, then the directory renamed. The sweep copied the version at the
+# old key to the same name under the new directory, over the new file: that version's row
+# lives under its new name, and its own move (waiting for the sweep) carries it there.
+RENAMED_THEN_DIRECTORY_RENAMED = (2, [
+    Op("write", 0, "step1/a"), Op("rename", 0, "step1/a", "step1/b"),
+    Op("write", 0, "step1/a"), Op("rename", 0, "step1", "step2")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -205,7 +212,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "swept-before-power-loss": SWEPT_BEFORE_POWER_LOSS,
          "deleted-while-commit-forgotten": DELETED_WHILE_COMMIT_FORGOTTEN,
          "new-file-under-the-old-name": NEW_FILE_UNDER_THE_OLD_NAME,
-         "link-name-removed-then-written": LINK_NAME_REMOVED_THEN_WRITTEN}
+         "link-name-removed-then-written": LINK_NAME_REMOVED_THEN_WRITTEN,
+         "renamed-then-directory-renamed": RENAMED_THEN_DIRECTORY_RENAMED}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

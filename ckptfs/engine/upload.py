@@ -1207,6 +1207,8 @@ class Uploader:
                 if info is None or self._held(info.key, mark):
                     return  # gone meanwhile, or a row changed here since carries it
                 target = new + info.key[len(old):]
+                if self._lives_elsewhere(info.key, target):
+                    return  # renamed before the directory: its own move carries it
                 copied = await self._sweep_file(info, target, mark)
                 if copied:
                     self._follow(info, target)
@@ -1233,6 +1235,19 @@ class Uploader:
         business."""
         for row in self._holder_rows(key):
             if _changed_here(row, mark):
+                return True
+        return False
+
+    def _lives_elsewhere(self, key: str, target: str) -> bool:
+        """Whether a row of this node holding ``key`` has another path than ``target`` now:
+        renamed (within the directory or out of it) before the directory was, its move
+        still waiting for this sweep. That move carries the version from ``key`` to where
+        the file is (the sweep leaves the key, which the row holds); a copy to ``target``
+        would put the file under a name it no longer has, over whatever the job closed there
+        since."""
+        for row in self._holder_rows(key):
+            path = self.journal.path_of(row.ino)
+            if path is not None and os.fsdecode(path) != target:
                 return True
         return False
 
