@@ -82,6 +82,7 @@ class Reference:
     arrived: dict[str, int] = field(default_factory=dict)
     clock: int = 0
     closed_at: dict[int, str] = field(default_factory=dict)  # content id -> path at its close
+    closed_by: dict[int, int] = field(default_factory=dict)  # content id -> node that closed it
     next_cid: int = 1  # the content id of the next close
     next_group: int = 1
 
@@ -92,6 +93,7 @@ class Reference:
                        unlinked_from={k: set(v) for k, v in self.unlinked_from.items()},
                        history={k: set(v) for k, v in self.history.items()},
                        markers=dict(self.markers), closed_at=dict(self.closed_at),
+                       closed_by=dict(self.closed_by),
                        arrived=dict(self.arrived))
 
     # -- questions ---------------------------------------------------------------------------
@@ -126,6 +128,7 @@ class Reference:
         cid = self.next_cid
         self.next_cid += 1
         self.closed_at[cid] = path
+        self.closed_by[cid] = node
         group = self.links.get(path)
         names = [p for p, g in self.links.items() if g == group] if group else [path]
         for name in names:

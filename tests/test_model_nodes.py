@@ -192,6 +192,14 @@ LINK_NAME_REMOVED_THEN_WRITTEN = (2, [
 RENAMED_THEN_DIRECTORY_RENAMED = (2, [
     Op("write", 0, "step1/a"), Op("rename", 0, "step1/a", "step1/b"),
     Op("write", 0, "step1/a"), Op("rename", 0, "step1", "step2")])
+# Found by the generator (a runner defect): a node lost a file it closed to a power loss
+# before uploading it, while another node renamed its directory (the sweep's barrier waited
+# for the node, which came back without the file). The simulated operator rewrote only the
+# files whose last writer the node was, and the rename made the renaming node that: the
+# operator rewrites what the node closed, wherever it is now.
+LOST_BEFORE_ANOTHER_NODES_RENAME = (2, [
+    Op("write", 0, "step1/a"), Op("evict", 0), Op("rename", 1, "step1", "step2"),
+    Op("power", 0)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -213,7 +221,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "deleted-while-commit-forgotten": DELETED_WHILE_COMMIT_FORGOTTEN,
          "new-file-under-the-old-name": NEW_FILE_UNDER_THE_OLD_NAME,
          "link-name-removed-then-written": LINK_NAME_REMOVED_THEN_WRITTEN,
-         "renamed-then-directory-renamed": RENAMED_THEN_DIRECTORY_RENAMED}
+         "renamed-then-directory-renamed": RENAMED_THEN_DIRECTORY_RENAMED,
+         "lost-before-another-nodes-rename": LOST_BEFORE_ANOTHER_NODES_RENAME}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
