@@ -416,6 +416,10 @@ def _journal_of_schema(path: Path, version: int) -> None:
     db.execute("CREATE TABLE sweeps (id INTEGER PRIMARY KEY AUTOINCREMENT, old TEXT NOT NULL,"
                " new TEXT NOT NULL)")
     db.execute("INSERT INTO sweeps (old, new) VALUES ('a/', 'b/')")
+    # The keys' indexes were whole (not partial) before.
+    for column in ("remote_key", "uploading_key"):
+        db.execute(f"DROP INDEX inodes_{column}_set")
+        db.execute(f"CREATE INDEX inodes_{column} ON inodes ({column})")
     if version == 3:
         db.execute("DROP INDEX inodes_link_of")
         db.execute("ALTER TABLE inodes DROP COLUMN link_of")
@@ -446,6 +450,10 @@ def test_an_old_journal_is_migrated(tmp_path: Path, version: int) -> None:
     journal.close()
     db = sqlite3.connect(path)
     assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
+    indexes = {r[0]: r[1] for r in db.execute(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND name LIKE 'inodes_%key%'")}
+    assert indexes == {f"inodes_{c}_set": f"CREATE INDEX inodes_{c}_set ON inodes ({c}) WHERE"
+                       f" {c} IS NOT NULL" for c in ("remote_key", "uploading_key")}
     db.close()
     staging.close()
 
