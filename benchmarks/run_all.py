@@ -100,6 +100,7 @@ QUICK: dict[str, Any] = {
     "q6_torch_mib": 16, "q6_fault_mib": 8, "q6_repeat": 1,
     "q7_mib": 16, "q7_files": 2, "q7_reps": 1, "q7_restore_reps": 1,
     "q8_files": [200], "q8_batch": 50, "q8_fsync_mib": 16, "q8_sim_nodes": [4],
+    "q8_create_rounds": 1,
     "q8_sim_idle": 30.0,
     "q9_mib": 8, "q9_ranks": 2, "q9_torch_mib": 16, "q9_reps": 1,
 }
@@ -200,6 +201,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Q8 simulated cluster sizes, nodes [64,256,1000]")
     g.add_argument("--q8-sim-idle", type=float,
                    help="Q8 virtual seconds of idleness measured per cluster [600]")
+    g.add_argument("--q8-create-rounds", type=int,
+                   help="Q8 rounds of the side-by-side creates (ckptfs, staging on the disk "
+                        "and on tmpfs, and nullfs), order rotating [5]")
+    p.add_argument("--q8-parts", type=str_list, default=["scale", "creates", "sim"],
+                   help="Q8 parts: scale (grow, batch, remount, fsync), creates (side by "
+                        "side with nullfs), sim (simulated cluster)")
     g.add_argument("--q9-mib", type=int, help="Q9 MiB per rank (burst and S3) [256]")
     g.add_argument("--q9-ranks", type=int, help="Q9 ranks writing at once [4]")
     g.add_argument("--q9-torch-mib", type=int, help="Q9 torch.save state dict [1024]")
@@ -223,7 +230,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "q6_disk_mib": 256, "q6_torch_mib": 1024, "q6_fault_mib": 1024, "q6_repeat": 3,
             "q7_mib": 2048, "q7_files": 4, "q7_reps": 3, "q7_restore_reps": 3,
             "q8_files": [1000, 10000, 100000], "q8_batch": 1000, "q8_fsync_mib": 1024,
-            "q8_sim_nodes": [64, 256, 1000], "q8_sim_idle": 600.0,
+            "q8_sim_nodes": [64, 256, 1000], "q8_sim_idle": 600.0, "q8_create_rounds": 5,
             "q9_mib": 256, "q9_ranks": 4, "q9_torch_mib": 1024, "q9_reps": 3}
     for key, value in (QUICK if a.quick else full).items():
         if getattr(a, key) is None:

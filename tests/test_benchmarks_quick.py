@@ -70,6 +70,8 @@ def test_run_all_quick(tmp_path: Path) -> None:
     assert q8["ckptfs"]["probe"]["answers"] > 0
     assert all(p["daemon_loop"]["gc_full_collections"] >= 0 for p in q8["ckptfs"]["points"])
     assert [s["nodes"] for s in q8["sim"]["runs"]] == data["options"]["q8_sim_nodes"]
+    assert {r["side"] for r in q8["creates"]["rounds"]} == {"ckptfs-disk", "ckptfs-tmpfs",
+                                                             "nullfs"}
     q9 = data["results"]["q9"]
     assert {r["mode"] for r in q9["burst"]["rounds"]} == {"plain", "ckptfs", "ckptfs-nogate"}
     assert {r["side"] for r in q9["s3"]["rounds"]} == {"boto3", "ckptfs"}

@@ -26,12 +26,23 @@ Measured from outside the daemon, file store on the local disk (the work dir):
                   collections since the mount; ckptfs/ops/loopwatch.py).
   fsync           a file of --q8-fsync-mib (1 GiB) written in 1 MiB calls, then fsync(2)ed,
                   the probe running: the longest answer while the fsync runs.
+  creates         side by side, in --q8-create-rounds rounds whose order rotates: --q8-batch
+                  1 KiB files created (open, write, close) in a fresh directory of a ckptfs
+                  mount whose staging is on the VM's disk (the work dir), of one whose
+                  staging is on tmpfs (/dev/shm, standing in for NVMe, as Q6 and Q9 do),
+                  and in nullfs (questions/nullfs.py, the do-nothing pyfuse3 daemon): the
+                  ratio to nullfs per round, and each daemon's CPU per create. (The VM's disk
+                  is ext4 mounted without a journal: there the kernel's inode allocator skips
+                  inodes deleted in the last seconds one by one, ``recently_deleted()``, so a
+                  create right after many deletions costs more; a journaled ext4 or XFS on
+                  NVMe does not do this.)
   cluster         questions/cluster_rate.py at --q8-sim-nodes (64 ... 1000) simulated nodes
                   (virtual time): store requests per node per second, idle, during a save,
                   and during a rank-0 rotation (rm -r of a checkpoint every node wrote)
                   until every node has acted on the records of its shard's deletion.
 
-Targets: creates >= 3,000/s and flat in the number of files; the longest metadata
+Targets: creates >= 3,000/s and flat in the number of files, and >= 0.5x nullfs side by
+side; the longest metadata
 answer during a 512 MiB-1 GiB fsync <= 50 ms; remount of 20,000 files ready <= 5 s, of 100,000
 <= 15 s; sync with nothing pending <= 0.1 s at 100,000 files; no O(n^2) in start-up or
 scheduling (the curves). Nothing is asserted.
@@ -46,7 +57,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +215,52 @@ def run_nullfs(b: Bench, batch: int) -> dict[str, Any]:
             os.unlink(m.path / f"b{i:06d}")
     log(f"Q8 nullfs: {batch / secs:.0f} creates/s, {cpu / batch * 1e6:.0f} us daemon CPU each")
     return {"create_per_s": batch / secs, "cpu_us_per_create": cpu / batch * 1e6}
+
+
+CREATE_SIDES = ("ckptfs-disk", "ckptfs-tmpfs", "nullfs")
+
+
+def run_creates(b: Bench, batch: int, rounds: int) -> dict[str, Any]:
+    """The ``creates`` part (module docstring): rows of {round, side, create_per_s,
+    cpu_us_per_create}."""
+    base = Path(tempfile.mkdtemp(prefix="q8-creates-", dir="/dev/shm"))
+    rows: list[dict[str, Any]] = []
+    try:
+        with ExitStack() as stack:
+            mounts = {}
+            for side, where in (("ckptfs-disk", b.dir("q8-creates")), ("ckptfs-tmpfs", base)):
+                cfg = ckptfs_config(where / f"{side}-staging", store_dir=b.dir(f"q8-{side}-store"),
+                                    extra='log_level = "warning"')
+                mounts[side] = stack.enter_context(common.ckptfs_mount(where, side, cfg))
+            null = stack.enter_context(common.nullfs_mount(b.dir("q8-creates-null"), "null"))
+            for rnd in range(rounds):
+                order = CREATE_SIDES[rnd % 3:] + CREATE_SIDES[:rnd % 3]
+                for side in order:
+                    m = mounts.get(side)
+                    if m is not None:
+                        m.sync()
+                    sync_disk()
+                    pid = m.pid if m is not None else null.pid
+                    # nullfs has no mkdir: its files go in its root, named per round.
+                    folder = m.path / f"round{rnd}" if m is not None else null.path
+                    if m is not None:
+                        folder.mkdir()
+                    cpu0 = _cpu_s(pid)
+                    t0 = time.perf_counter()
+                    for i in range(batch):
+                        fd = os.open(folder / f"r{rnd}-{i:06d}",
+                                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                        os.write(fd, PAYLOAD)
+                        os.close(fd)
+                    secs = time.perf_counter() - t0
+                    cpu = _cpu_s(pid) - cpu0
+                    rows.append({"round": rnd, "side": side, "create_per_s": batch / secs,
+                                 "cpu_us_per_create": cpu / batch * 1e6})
+                    log(f"Q8 creates round {rnd} {side:>12}: {batch / secs:.0f}/s, "
+                        f"{cpu / batch * 1e6:.0f} us daemon CPU each")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return {"batch": batch, "rounds": rows}
 
 
 def _cpu_s(pid: int) -> float:
@@ -423,10 +482,15 @@ def run(b: Bench) -> dict[str, Any]:
     res: dict[str, Any] = {"title": TITLE, "files": counts, "batch": o.q8_batch,
                            "slice": slice_n, "cli_start_s": cli_start_s(),
                            "loadavg_start": os.getloadavg()}
-    res["plain"] = run_plain(b, counts, o.q8_batch, slice_n)
-    res["nullfs"] = run_nullfs(b, o.q8_batch)
-    res["ckptfs"] = run_ckptfs(b, counts, o.q8_batch, slice_n, o.q8_fsync_mib)
-    res["sim"] = run_sim(b, o.q8_sim_nodes)
+    parts = o.q8_parts
+    if "scale" in parts:
+        res["plain"] = run_plain(b, counts, o.q8_batch, slice_n)
+        res["nullfs"] = run_nullfs(b, o.q8_batch)
+        res["ckptfs"] = run_ckptfs(b, counts, o.q8_batch, slice_n, o.q8_fsync_mib)
+    if "creates" in parts:
+        res["creates"] = run_creates(b, o.q8_batch, o.q8_create_rounds)
+    if "sim" in parts:
+        res["sim"] = run_sim(b, o.q8_sim_nodes)
     res["loadavg_end"] = os.getloadavg()
     res["summary"] = summarize(res)
     return res
@@ -437,6 +501,45 @@ def _ms(x: float | None) -> str:
 
 
 def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
+    rows: list[tuple[str, str, str]] = []
+    if "ckptfs" in r:
+        rows += _scale_rows(r)
+    if "creates" in r:
+        rows += _create_rows(r["creates"])
+    for s in r.get("sim", {}).get("runs", []):
+        measure = (f"sim {s['nodes']} nodes: store requests/node/s idle / save (coordination)"
+                   " / rank-0 rotation until every node acted on its records")
+        value = (f"{s['idle_per_node_s']:.3f} / {s['save_per_node_s']:.2f} "
+                 f"({s['save_control_per_node_s']:.2f}) / {s['rotation_per_node_s']:.3f}; "
+                 f"{s['run_s']:.0f} s wall")
+        rows.append((measure, value, ""))
+    for note in r.get("sim", {}).get("notes", []):
+        rows.append(("sim", note, ""))
+    return rows
+
+
+def _create_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
+    by = {side: [x for x in c["rounds"] if x["side"] == side] for side in CREATE_SIDES}
+    null = by["nullfs"]
+
+    def medians(rows: list[dict[str, Any]]) -> str:
+        return (f"{statistics.median(x['create_per_s'] for x in rows):.0f}/s, "
+                f"{statistics.median(x['cpu_us_per_create'] for x in rows):.0f} us")
+
+    out = []
+    for side in CREATE_SIDES[:2]:
+        ratios = [x["create_per_s"] / n["create_per_s"] for x, n in zip(by[side], null)]
+        each = ", ".join(f"{v:.2f}" for v in ratios)
+        measure = (f"{c['batch']} creates of 1 KiB, {side} / nullfs (rounds); creates/s, "
+                   "daemon CPU us per create")
+        value = f"**{statistics.median(ratios):.2f}** ({each}); {medians(by[side])}"
+        out.append((measure, value, "≥ 0.5"))
+    out.append(("nullfs in the same rounds: creates/s, daemon CPU us per create",
+                medians(null), ""))
+    return out
+
+
+def _scale_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     plain = {p["files"]: p for p in r["plain"]["points"]}
     ck = r["ckptfs"]
     rows: list[tuple[str, str, str]] = []
@@ -483,18 +586,13 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     row(f"fsync of {f['mib']} MiB: s; longest probe answer during it, ms (answers)",
         f"{f['fsync_s']:.2f}; **{_ms(f['fsync_probe']['max_ms'])}** ({f['fsync_probe']['n']})",
         "≤ 50 ms")
-    for s in r["sim"]["runs"]:
-        row(f"sim {s['nodes']} nodes: store requests/node/s idle / save (coordination) / "
-            "rank-0 rotation until every node acted on its records",
-            f"{s['idle_per_node_s']:.3f} / {s['save_per_node_s']:.2f} "
-            f"({s['save_control_per_node_s']:.2f}) / {s['rotation_per_node_s']:.3f}; "
-            f"{s['run_s']:.0f} s wall")
-    for note in r["sim"]["notes"]:
-        row("sim", note)
     return rows
 
 
 def plot(ax: Any, r: dict[str, Any]) -> None:
+    if "ckptfs" not in r:
+        ax.axis("off")
+        return
     for name, d, style in (("plain", r["plain"], "o-"), ("ckptfs", r["ckptfs"], "s-")):
         xs = [c[0] for c in d["curve"]]
         ax.plot(xs, [c[1] for c in d["curve"]], style, ms=2, label=f"{name} creates/s")
@@ -508,6 +606,9 @@ def plot(ax: Any, r: dict[str, Any]) -> None:
 
 
 def plot_extra(ax: Any, r: dict[str, Any], i: int) -> None:
+    if "ckptfs" not in r:
+        ax.axis("off")
+        return
     pts = r["ckptfs"]["points"]
     xs = [p["files"] for p in pts]
     ax.plot(xs, [p["remount_s"] for p in pts], "o-", label="remount: mount returned s")
