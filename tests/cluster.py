@@ -22,7 +22,7 @@ from ckptfs.engine.fs import ROOT_CALLER, Filesystem, ReadSettings
 from ckptfs.engine.upload import Uploader
 from ckptfs.state.journal import ROOT_INODE, Journal, State
 from ckptfs.state.staging import Staging
-from ckptfs.store.tiers.base import ObjectMeta, Progress, Tier
+from ckptfs.store.tiers.base import Finish, ObjectMeta, Progress, Tier
 from ckptfs.store.tiers.faulty import FaultyTier
 from ckptfs.store.tiers.memory import MemoryTier
 
@@ -93,8 +93,9 @@ class ObservedTier(MemoryTier):
         self.stored = stored
 
     async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> str | None:
-        tag = await super().put_file(key, source, size, meta, progress)
+                       progress: Progress | None = None, *,
+                       finish: Finish | None = None) -> str | None:
+        tag = await super().put_file(key, source, size, meta, progress, finish=finish)
         self.stored(key)
         return tag
 

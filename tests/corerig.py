@@ -22,7 +22,7 @@ from ckptfs.engine.yieldgate import YieldGate
 from ckptfs.errors import NotFound
 from ckptfs.state.journal import ROOT_INODE, Journal
 from ckptfs.state.staging import Staging
-from ckptfs.store.tiers.base import Kind, ObjectMeta, Progress
+from ckptfs.store.tiers.base import Finish, Kind, ObjectMeta, Progress
 from ckptfs.store.tiers.faulty import FaultyTier
 from ckptfs.store.tiers.memory import MemoryTier
 
@@ -37,9 +37,10 @@ class RecordingTier(FaultyTier):
         self.events: list[tuple[str, str, float]] = []
 
     async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> str | None:
+                       progress: Progress | None = None, *,
+                       finish: Finish | None = None) -> str | None:
         self.events.append(("start", key, trio.current_time()))
-        etag = await super().put_file(key, source, size, meta, progress)
+        etag = await super().put_file(key, source, size, meta, progress, finish=finish)
         self.events.append(("end", key, trio.current_time()))
         return etag
 

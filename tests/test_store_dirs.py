@@ -19,7 +19,7 @@ import trio
 from ckptfs.engine.fs import RENAME_EXCHANGE, ROOT_CALLER
 from ckptfs.errors import StoreUnavailable
 from ckptfs.state.journal import ROOT_INODE
-from ckptfs.store.tiers.base import Kind, NotEmptyYet, ObjectMeta, Progress
+from ckptfs.store.tiers.base import Finish, Kind, NotEmptyYet, ObjectMeta, Progress
 from ckptfs.store.tiers.memory import MemoryTier
 from tests.corerig import RecordingTier, Rig, open_rig
 from tests.test_store_keys import _evict, _read
@@ -63,13 +63,14 @@ class TreeTier(RecordingTier):
         self.objects.pop(folder, None)
 
     async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> str | None:
+                       progress: Progress | None = None, *,
+                       finish: Finish | None = None) -> str | None:
         # Not called back once started: tiers/local.py puts in a worker thread.
         with trio.CancelScope(shield=True):
             await trio.sleep(self.put_delay)
             self._make_way(key, Kind.FILE)
             self._make_parents(key)
-            return await super().put_file(key, source, size, meta, progress)
+            return await super().put_file(key, source, size, meta, progress, finish=finish)
 
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:
         self._make_way(key, meta.kind)

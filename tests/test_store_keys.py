@@ -18,7 +18,7 @@ from ckptfs.engine.keys import PARKING_PREFIX
 from ckptfs.engine.upload import file_checksum
 from ckptfs.errors import NotFound
 from ckptfs.state.journal import ROOT_INODE, State
-from ckptfs.store.tiers.base import Kind, ObjectInfo, ObjectMeta, Progress
+from ckptfs.store.tiers.base import Finish, Kind, ObjectInfo, ObjectMeta, Progress
 from ckptfs.store.tiers.memory import MemoryTier
 from tests.corerig import RecordingTier, Rig, open_rig
 
@@ -146,13 +146,14 @@ class SlowPutTier(RecordingTier):
     put_seconds = 5.0
 
     async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> str | None:
+                       progress: Progress | None = None, *,
+                       finish: Finish | None = None) -> str | None:
         data = source.read_bytes()[:size]
         with trio.CancelScope(shield=True):
             await trio.sleep(self.put_seconds)
             scratch = source.with_name(source.name + ".sent")
             scratch.write_bytes(data)
-            etag = await self.inner.put_file(key, scratch, size, meta, progress)
+            etag = await self.inner.put_file(key, scratch, size, meta, progress, finish=finish)
             scratch.unlink()
         return etag
 

@@ -131,6 +131,27 @@ async def test_multipart_sized_file_round_trips(tier: Tier, tmp_path: Path) -> N
     assert (await tier.head("big.bin")).size == size
 
 
+async def test_the_meta_may_come_after_the_bytes(tier: Tier, tmp_path: Path) -> None:
+    """``finish``: the meta is what it returns. A tier that writes it last (``late_meta``, the
+    file tier) awaits it only once every byte is copied, so the uploader sums the file beside
+    the copy; the others await it before they send anything."""
+    size = 2 * MIN_PART_SIZE + 12345
+    src, data = make_file(tmp_path, size)
+    seen: list[int] = []
+    sent_when_asked: list[int] = []
+
+    async def finish() -> ObjectMeta:
+        sent_when_asked.append(sum(seen))
+        return dataclasses.replace(meta_of(data), stamp="n1:r1.7")
+
+    await tier.put_file("late.bin", src, size, META, seen.append, finish=finish)
+    assert sent_when_asked == [size if tier.late_meta else 0]
+    assert tier.late_meta == isinstance(tier, FileTier)
+    info = await tier.head("late.bin")
+    assert info.meta.checksum == meta_of(data).checksum and info.meta.stamp == "n1:r1.7"
+    assert await read_back(tier, "late.bin", size, tmp_path) == data
+
+
 async def test_overwrite_copy_delete(tier: Tier, tmp_path: Path) -> None:
     a, data_a = make_file(tmp_path, 3000, "a")
     b, data_b = make_file(tmp_path, 5000, "b")

@@ -16,7 +16,7 @@ from ckptfs.engine.yieldgate import YieldGate
 from ckptfs.state.journal import ROOT_INODE, State
 from ckptfs.state.staging import SpaceBudget
 from ckptfs.store.integrity import file_sums
-from ckptfs.store.tiers.base import Kind, ObjectMeta, ObjectMissing, Progress, Tier
+from ckptfs.store.tiers.base import Finish, Kind, ObjectMeta, ObjectMissing, Progress, Tier
 from ckptfs.store.tiers.local import CHUNK, FileTier
 from ckptfs.store.tiers.memory import MemoryTier
 from ckptfs.store.tiers.s3 import S3Tier
@@ -267,12 +267,13 @@ class PacedTier(RecordingTier):
     """Sends each file in 8 parts of 0.5 s, asking its ``pace`` before each (as S3 does)."""
 
     async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
-                       progress: Progress | None = None) -> str | None:
+                       progress: Progress | None = None, *,
+                       finish: Finish | None = None) -> str | None:
         for _ in range(8):  # longer than a hurry keeps the gate open
             if self.pace is not None:
                 await self.pace()
             await trio.sleep(0.5)
-        return await super().put_file(key, source, size, meta, progress)
+        return await super().put_file(key, source, size, meta, progress, finish=finish)
 
 
 async def test_a_writer_short_of_space_keeps_the_gate_open(

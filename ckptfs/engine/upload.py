@@ -74,7 +74,7 @@ from ckptfs.errors import CkptfsError, NotFound
 from ckptfs.state.journal import Journal, Row, State
 from ckptfs.state.namespace import Namespace
 from ckptfs.state.staging import Staging
-from ckptfs.store.integrity import MIN_BLOCK, file_sums, format_crc
+from ckptfs.store.integrity import MIN_BLOCK, BlockSums, file_sums, format_crc
 from ckptfs.store.tiers.base import (
     Kind,
     NotEmptyYet,
@@ -150,6 +150,10 @@ class UploadStats:
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) for rates
     # Called with (seconds, bytes) after each upload (metrics.py's latency histogram).
     observers: list[Callable[[float, int], None]] = field(default_factory=list)
+
+
+def _with_sums(meta: ObjectMeta, checksum: str, sums: BlockSums) -> ObjectMeta:
+    return dataclasses.replace(meta, checksum=checksum, blocks=sums.encode())
 
 
 def file_checksum(path: Path, size: int) -> str:
@@ -914,6 +918,13 @@ class Uploader:
             await self.peers.record(row.stamp, key, Verdict.DELETED)
         source = self.staging.path(data)
         size = row.size
+        stamp = self.peers.stamp(version)
+        meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
+                          stamp=stamp)  # the checksums follow
+        summed: list[tuple[str, BlockSums]] = []
+        # A big file for a tier that writes the meta last is summed while it is copied (the
+        # copy waits on the disk, the sums on the CPU); else before the put.
+        late = size > INLINE_SUMS and self.tier.late_meta
         try:
             # Durable before the journal says COMMITTED: a committed local copy may be read,
             # evicted to, or uploaded again after a power loss. A small file is synced and
@@ -923,18 +934,24 @@ class Uploader:
             # while it is sent (``_put``): the store need not wait for the disk.
             if size <= INLINE_SUMS:
                 self.staging.datasync(data)
-                checksum, sums = file_sums(source, size, self.min_block)
-            else:
-                checksum, sums = await trio.to_thread.run_sync(file_sums, source, size,
-                                                               self.min_block)
+                summed.append(file_sums(source, size, self.min_block))
+            elif not late:
+                summed.append(await trio.to_thread.run_sync(file_sums, source, size,
+                                                            self.min_block))
         except FileNotFoundError:
             if self.journal.path_of(row.ino) is None:
                 return  # unlinked since it was queued: nothing to upload
             raise
-        blocks = sums.encode()
-        stamp = self.peers.stamp(version)
-        meta = ObjectMeta(Kind.FILE, stat.S_IMODE(row.mode), row.mtime_ns, row.uid, row.gid,
-                          checksum, blocks=blocks, stamp=stamp)
+        summed_now = trio.Event()
+
+        async def sum_up() -> None:
+            summed.append(await trio.to_thread.run_sync(file_sums, source, size,
+                                                        self.min_block))
+            summed_now.set()
+
+        async def finish() -> ObjectMeta:
+            await summed_now.wait()
+            return _with_sums(meta, *summed[0])
 
         work.done_bytes = 0  # this attempt's bytes (an earlier one may have sent some)
 
@@ -943,13 +960,21 @@ class Uploader:
 
         started = time.monotonic()
         try:
-            etag = await self._put(data, size, lambda: self.tier.put_file(
-                key, source, size, meta, progress))
-        except Exception:
+            if late:
+                etag = await self._put(data, size, lambda: self.tier.put_file(
+                    key, source, size, meta, progress, finish=finish), beside=sum_up)
+            else:
+                etag = await self._put(data, size, lambda: self.tier.put_file(
+                    key, source, size, _with_sums(meta, *summed[0]), progress))
+        except Exception as exc:
             if row.state is State.UPLOADING and row.version == version:
                 row.state = State.STAGED  # waiting for a retry, as user.ckptfs.state says
                 self.ns.persist(row)
+            if isinstance(exc, FileNotFoundError) and self.journal.path_of(row.ino) is None:
+                return  # unlinked while it was summed: nothing to upload
             raise
+        checksum, sums = summed[0]
+        blocks = sums.encode()
         self.stats.uploaded_files += 1
         self.stats.uploaded_bytes += size
         self.stats.recent.append((time.monotonic(), size))
@@ -984,11 +1009,12 @@ class Uploader:
         if os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
             self._continue(row.ino)  # renamed while uploading: move it
 
-    async def _put(self, data: int, size: int,
-                   put: Callable[[], Awaitable[str | None]]) -> str | None:
+    async def _put(self, data: int, size: int, put: Callable[[], Awaitable[str | None]],
+                   beside: Callable[[], Awaitable[None]] | None = None) -> str | None:
         """``put()``, and for a file not synced inline (over INLINE_SUMS) the device flush of
-        its staging file beside it; returns once both are done (the first failure is raised
-        as itself, as the tiers raise theirs). A file unlinked meanwhile is not flushed:
+        its staging file beside it, and ``beside()`` (the sums a late-meta put waits for);
+        returns once all are done (the first failure is raised as itself, as the tiers raise
+        theirs, and cancels the others). A file unlinked meanwhile is not flushed:
         ``_still_there`` then finds it gone."""
         if size <= INLINE_SUMS:
             return await put()
@@ -1011,9 +1037,19 @@ class Uploader:
                 failed.append(exc)
                 cancel.cancel()
 
+        async def other(cancel: trio.CancelScope) -> None:
+            assert beside is not None
+            try:
+                await beside()
+            except Exception as exc:  # noqa: BLE001 - raised below
+                failed.append(exc)
+                cancel.cancel()
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(flush, nursery.cancel_scope)
             nursery.start_soon(send, nursery.cancel_scope)
+            if beside is not None:
+                nursery.start_soon(other, nursery.cancel_scope)
         if failed:
             raise failed[0]
         return tags[0]

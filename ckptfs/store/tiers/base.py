@@ -54,6 +54,8 @@ from ckptfs.errors import CkptfsError, NeedsRestore, StoreRefused, StoreUnavaila
 # retry takes them back. A tier may call it from a worker thread: keep it to arithmetic.
 Progress = Callable[[int], None]
 Pace = Callable[[], Awaitable[None]]
+# The meta of an object being put, once its checksums are known (``Tier.put_file``'s finish).
+Finish = Callable[[], Awaitable["ObjectMeta"]]
 
 
 # Keys under this prefix at a tier's root hold ckptfs's own state shared by the nodes
@@ -219,6 +221,14 @@ class Tier(abc.ABC):
         # gate, so that an upload in flight pauses while the job writes (yieldgate.py).
         self.pace: Pace | None = None
 
+    @property
+    def late_meta(self) -> bool:
+        """Whether ``put_file`` reads the object's meta only after it has copied the bytes
+        (the file tier writes its xattrs last): the uploader then sums the file beside the
+        copy (``finish``) instead of before it. A store that sends the meta first (S3's
+        headers) would only wait for it."""
+        return False
+
     async def check(self) -> None:
         """Fail fast at mount time (unreachable, missing bucket, bad credentials)."""
 
@@ -229,10 +239,12 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
-        progress: Progress | None = None,
+        progress: Progress | None = None, *, finish: Finish | None = None,
     ) -> str | None:
         """Store ``size`` bytes of the local file ``source`` at ``key``, atomically; returns
-        the new object's tag (``ObjectInfo.etag``) when the store tells it."""
+        the new object's tag (``ObjectInfo.etag``) when the store tells it. With ``finish``
+        the object's meta is what it returns (``meta`` lacks the checksums then), awaited
+        before anything of the meta is used: after the copy where ``late_meta``."""
 
     @abc.abstractmethod
     async def put_entry(self, key: str, meta: ObjectMeta) -> None:

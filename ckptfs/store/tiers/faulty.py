@@ -20,7 +20,7 @@ from pathlib import Path
 import trio
 
 from ckptfs.errors import StoreUnavailable
-from ckptfs.store.tiers.base import ObjectInfo, ObjectMeta, Progress, Tier
+from ckptfs.store.tiers.base import Finish, ObjectInfo, ObjectMeta, Progress, Tier
 
 
 class FaultyTier(Tier):
@@ -86,9 +86,13 @@ class FaultyTier(Tier):
         await self._gate("cleanup")
         return await self.inner.cleanup(keys_of_ours)
 
+    @property
+    def late_meta(self) -> bool:
+        return self.inner.late_meta
+
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
-        progress: Progress | None = None,
+        progress: Progress | None = None, *, finish: Finish | None = None,
     ) -> str | None:
         await self._gate("put_file")
         if self.bandwidth:
@@ -96,7 +100,7 @@ class FaultyTier(Tier):
             # sees them on a real one (then the inner tier stores them at once).
             await self._send(size, progress)
             progress = None
-        etag = await self.inner.put_file(key, source, size, meta, progress)
+        etag = await self.inner.put_file(key, source, size, meta, progress, finish=finish)
         self.puts_done += 1
         if self.kill_after_puts is not None and self.puts_done >= self.kill_after_puts:
             os.kill(os.getpid(), signal.SIGKILL)  # the object is stored, the journal not told

@@ -46,6 +46,7 @@ import trio
 
 from ckptfs.errors import StoreUnavailable
 from ckptfs.store.tiers.base import (
+    Finish,
     Kind,
     LocalWriteFailed,
     NotEmptyYet,
@@ -206,9 +207,13 @@ class FileTier(Tier):
         result: int = await self._run(sweep)
         return result
 
+    @property
+    def late_meta(self) -> bool:
+        return True  # the checksums are xattrs set once the bytes are in (``_finish``)
+
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
-        progress: Progress | None = None,
+        progress: Progress | None = None, *, finish: Finish | None = None,
     ) -> str | None:
         parents, name = self._split(key)
         tmp = _tmp_name(name)
@@ -224,13 +229,15 @@ class FileTier(Tier):
                     while done < size:
                         if self.pace is not None:
                             await self.pace()  # the job is busy: the next chunk waits for it
-                        n = await self._run(_copy_chunk, src_fd, dst_fd, done,
+                        n = await self._run(_copy_chunk_out, src_fd, dst_fd, done,
                                             min(CHUNK, size - done))
                         if n == 0:
                             raise TierError(f"{source} is shorter than {size} bytes")
                         done += n
                         if progress:
                             progress(n)
+                    if finish is not None:
+                        meta = await finish()
                     await self._run(_finish, dst_fd, meta)
                 finally:
                     os.close(dst_fd)
@@ -770,6 +777,20 @@ def _copy_chunk(src: int, dst: int, offset: int, length: int) -> int:
     while written < len(view):
         written += os.pwrite(dst, view[written:], offset + written)
     return len(data)
+
+
+def _copy_chunk_out(src: int, dst: int, offset: int, length: int) -> int:
+    """``_copy_chunk``, then the device starts writing what it copied while the next chunk is
+    copied (``POSIX_FADV_DONTNEED`` starts the writeback of dirty pages, and drops the pages
+    once clean: nobody reads the store's copy soon). The fsync at the end then waits for the
+    tail only, not for the whole file."""
+    n = _copy_chunk(src, dst, offset, length)
+    if n:
+        try:
+            os.posix_fadvise(dst, offset, n, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # advice only: a filesystem that cannot take it is written at the fsync
+    return n
 
 
 def _finish(fd: int, meta: ObjectMeta) -> None:

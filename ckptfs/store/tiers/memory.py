@@ -23,6 +23,7 @@ import trio
 
 from ckptfs.store.tiers.base import (
     ARCHIVE_CLASSES,
+    Finish,
     Kind,
     ObjectArchived,
     ObjectInfo,
@@ -82,8 +83,11 @@ class MemoryTier(Tier):
 
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
-        progress: Progress | None = None,
+        progress: Progress | None = None, *, finish: Finish | None = None,
     ) -> str | None:
+        if finish is not None:
+            meta = await finish()
+
         def read() -> bytes:
             with open(source, "rb") as f:
                 return f.read(size)

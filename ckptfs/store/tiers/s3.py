@@ -63,6 +63,7 @@ import trio
 from ckptfs.errors import StoreUnavailable, UserError
 from ckptfs.store.integrity import BlockSums
 from ckptfs.store.tiers.base import (
+    Finish,
     Kind,
     ObjectArchived,
     ObjectInfo,
@@ -363,8 +364,10 @@ class S3Tier(Tier):
 
     async def put_file(
         self, key: str, source: Path, size: int, meta: ObjectMeta,
-        progress: Progress | None = None,
+        progress: Progress | None = None, *, finish: Finish | None = None,
     ) -> str | None:
+        if finish is not None:
+            meta = await finish()  # its checksums travel in the first request
         full = self._key(key)
         fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
         try:
