@@ -132,6 +132,23 @@ async def test_rmdir_while_a_file_in_it_uploads_leaves_no_directory(
     assert _store_dirs(tree) == set() and tree.files() == {}
 
 
+async def test_a_directory_made_where_a_removed_file_was_uploading_stays(
+        tree: Rig, autojump_clock: trio.abc.Clock) -> None:
+    """``rm d; mkdir d`` while the file ``d`` is on its way: a file tier holds ``d`` and
+    ``d/`` at one path, so the directory's put must wait for the file's. Before, it ran at
+    once; the file's put then replaced the empty directory, the file's deletion removed it,
+    and the store held no ``d`` at all: after a remount the listing removed the directory
+    from the mount too (an empty directory of tests/test_fsx.py gone after a remount)."""
+    tree.tier.put_delay = 5.0  # type: ignore[attr-defined]
+    await tree.write("d", b"x" * 1000)
+    await trio.sleep(1.0)  # the file's put is on its way
+    await tree.fs.unlink(ROOT, b"d")
+    tree.fs.mkdir(ROOT, b"d", 0o755, ROOT_CALLER)
+    await tree.settle()
+    assert not tree.uploader.failed()
+    assert _store_dirs(tree) == {"d/"} and tree.files() == {}
+
+
 async def test_a_directory_not_empty_yet_is_no_outage(
         tree: Rig, autojump_clock: trio.abc.Clock) -> None:
     """``rm a/b/c/f; rmdir a/b/c a/b a`` and the deletion of ``f`` fails once (a transient

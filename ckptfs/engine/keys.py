@@ -68,7 +68,10 @@ The rules that follow (docs/DESIGN.md, "Store keys"; what users get: docs/SEMANT
    nest (``mv d/x t; rmdir d; mv t d``, or ``mv d t; mkdir d; mv t d/x``) parks first, as a
    ring does (rule 2): its own source is in its way, and it would be retried forever. On an
    object store these keys do not collide; the wait and the extra copy are harmless there
-   and these renames rare.
+   and these renames rare. Items in flight on ``d`` and ``d/`` exclude each other too
+   (``busy_around``): else ``rm d; mkdir d`` while the file ``d`` is uploading puts the
+   directory at once, the file's put replaces it, the file's deletion removes that, and the
+   store holds no ``d`` at all (a remount then drops the directory from the mount too).
 
 Interleavings of rules 5 and 6 (tests/test_store_dirs.py, over a memory tier that keeps a
 file tier's directories):
@@ -141,6 +144,11 @@ def _same_place(key: str) -> Iterator[str]:
         yield key.rstrip("/")
 
 
+def _twin(key: str) -> str:
+    """The key at the same path of a file tier: ``d/`` for ``d``, and ``d`` for ``d/``."""
+    return key[:-1] if key.endswith("/") else key + "/"
+
+
 class KeyClaims:
     """Claims on store keys for one mount (see the module docstring for the rules)."""
 
@@ -168,7 +176,7 @@ class KeyClaims:
         for key in keys:
             if key is None:
                 continue
-            if key in self._by_key:
+            if key in self._by_key or _twin(key) in self._by_key:
                 return True
             if deletion and key.endswith("/") and any(k.startswith(key) for k in self._by_key):
                 return True
