@@ -197,13 +197,15 @@ class Runner:
     async def operator(self, i: int, node: Node) -> None:
         """A node back from a power loss holds; the operator rewrites on it what it lost (the
         files it closed whose version the store does not have, where they are now: another
-        node may have renamed their directory meanwhile), then forgets its own id there: the
+        node may have renamed their directory meanwhile; not a name another node linked to
+        such a file, which that node uploads), then forgets its own id there: the
         shards first, then the commit markers, each in the order the job closed them (as
         docs/SEMANTICS.md asks of an operator after a power loss)."""
         for path, cid in sorted(self.ref.files.items(),
                                 key=lambda item: (is_marker(item[0]), item[1])):
-            if self.ref.closed_by.get(cid) != i:
-                continue
+            group = self.ref.links.get(path)
+            if self.ref.closed_by.get(cid) != i or (group is not None and group[0] != i):
+                continue  # another node's: a name another node linked is that node's to upload
             obj = self.objects.get(path)
             if obj is not None and content_id(obj.body) == cid:  # type: ignore[attr-defined]
                 continue

@@ -200,6 +200,13 @@ RENAMED_THEN_DIRECTORY_RENAMED = (2, [
 LOST_BEFORE_ANOTHER_NODES_RENAME = (2, [
     Op("write", 0, "step1/a"), Op("evict", 0), Op("rename", 1, "step1", "step2"),
     Op("power", 0)])
+# Found by the generator (a runner defect): node 0 linked a file node 1 had written, and
+# node 1 lost power before node 0 uploaded the new name. The simulated operator rewrote that
+# name on node 1 as one of node 1's lost files, so two nodes wrote it with nothing ordering
+# them; the name is node 0's to upload.
+LINKED_NAME_AFTER_POWER_LOSS = (2, [
+    Op("write", 0, "step1/a"), Op("write", 1, "step1/a"), Op("sync", 0),
+    Op("link", 0, "step1/a", "step1/l1"), Op("power", 1), Op("rmtree", 0, "step1")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -222,7 +229,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "new-file-under-the-old-name": NEW_FILE_UNDER_THE_OLD_NAME,
          "link-name-removed-then-written": LINK_NAME_REMOVED_THEN_WRITTEN,
          "renamed-then-directory-renamed": RENAMED_THEN_DIRECTORY_RENAMED,
-         "lost-before-another-nodes-rename": LOST_BEFORE_ANOTHER_NODES_RENAME}
+         "lost-before-another-nodes-rename": LOST_BEFORE_ANOTHER_NODES_RENAME,
+         "linked-name-after-power-loss": LINKED_NAME_AFTER_POWER_LOSS}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
