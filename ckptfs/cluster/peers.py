@@ -283,10 +283,11 @@ class Peers:
 
     async def replaced(self, rows: dict[str, Row]) -> dict[str, Record]:
         """Of ``rows`` (key -> a file of this node that came back incomplete after a power
-        loss while the store holds another node's version at its key), those whose version
-        another node replaced or deleted: the rolled-back journal forgot that it was
-        committed, but a record names it (this node, that version number, an earlier run).
-        The store's version then came after it in the job's order, and is the file."""
+        loss while the store holds another node's version at its key, or nothing), those
+        whose version another node replaced, deleted or moved: the rolled-back journal
+        forgot that it was committed, but a record names it (this node, that version number,
+        an earlier run). What the store holds then came after it in the job's order, and is
+        the file (or its absence is)."""
         if not rows:
             return {}
         try:

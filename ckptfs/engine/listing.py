@@ -429,6 +429,10 @@ class Lister:
         verdicts, used = await self.peers.judge(lost)
         replaced = await self.peers.replaced(self._lost_to_power(remote, details, before))
         used += replaced.values()
+        # Incomplete here and gone from the store: another node removed (or moved) the
+        # version this node committed before a power loss made its journal forget it.
+        removed = await self.peers.replaced(self._removed_while_lost(prefix, remote, before))
+        used += removed.values()
         acted: set[str] = set()  # keys whose record was acted on: those records go
         # From here on nothing is awaited: the journal changes in one go. Everything the
         # decisions depend on is read again now, since the namespace went on meanwhile (an
@@ -471,6 +475,13 @@ class Lister:
                 if name in remote and remote[name].key not in skip:
                     continue
                 key = self._key_of(prefix, name, row)
+                if key in removed and self._recoverable(row, None) and \
+                        row.version == version_of(removed[key].stamp):
+                    # Its version was removed by the job after the commit this node forgot:
+                    # the incomplete copy goes with it (else it would stay, shown, forever).
+                    if self._remove(directory, name, row):
+                        acted.add(key)
+                    continue
                 if not self._settled(row, key) or self.journal.committed_since(row.ino, mark):
                     continue
                 judged = lost.get(key)
@@ -742,6 +753,17 @@ class Lister:
             if row is not None and self._recoverable(row, None) and info.meta_known and \
                     info.meta.kind is Kind.FILE and self.peers.foreign(info.meta.stamp):
                 found[info.key] = row
+        return found
+
+    def _removed_while_lost(self, prefix: str, remote: dict[bytes, ObjectInfo],
+                            before: dict[bytes, Row]) -> dict[str, Row]:
+        """Files of this node that came back incomplete and that the store no longer holds
+        (key -> row): ``Peers.replaced`` says which of them another node deleted or moved
+        after this node committed them (their records name the version)."""
+        found: dict[str, Row] = {}
+        for name, row in before.items():
+            if name not in remote and self._recoverable(row, None):
+                found[self._key_of(prefix, name, row)] = row
         return found
 
     def _maybe_update_special(self, row: Row, info: ObjectInfo) -> None:
