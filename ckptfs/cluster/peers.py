@@ -179,15 +179,40 @@ class Peers:
                      moved_to: str | None = None, exact: bool = False) -> bool:
         """Delete the version of ``key`` that ``stamp`` and ``etag`` name, after recording it
         for its writer (as moved to ``moved_to`` if that is where it was copied). This
-        node's own versions (and directory markers) are deleted as they are: nobody else
-        holds them as theirs. With no version named, what is there is read first, and
-        treated as named. ``exact``: one of this node's own versions too is deleted only if
-        it is still there, by its tag (a row of this node holds another version at the key;
-        the caller names the tag). Returns
-        whether a version was deleted (False: gone already, or another version is there
-        now, which stays)."""
-        if key.endswith("/") or (self.own(stamp) and not exact):
+        node's own versions need no record; one named by its tag is deleted only while the
+        store holds a version of this node there (another node may have replaced it since:
+        its upload started before this node's removal and landed after, and the job's
+        removal of it is the directory's sweep, which lists after the barrier). Directory
+        markers are deleted as they are. With no version named, what is there is read
+        first, and treated as named. ``exact``: one of this node's own versions is deleted
+        only by its tag (a row of this node holds another version at the key; the caller
+        names the tag). Returns whether a version was deleted (False: gone already, or
+        another version is there now, which stays)."""
+        if key.endswith("/") or (self.own(stamp) and not exact and etag is None):
             await self.tier.delete(key)
+            return True
+        if self.own(stamp) and not exact:
+            try:
+                await self.tier.delete(key, if_etag=etag)
+                return True
+            except ObjectMissing:
+                return False
+            except PreconditionFailed:
+                pass
+            # Another tag: a version of ours under a tag this node did not keep, or another
+            # node's. Only the first is this node's to delete.
+            try:
+                info = await self.tier.head(key)
+            except ObjectMissing:
+                return False
+            if self.foreign(info.meta.stamp):
+                log.info("%s: not deleted: node %s replaced this node's version since", key,
+                         writer_of(info.meta.stamp))
+                return False
+            try:
+                await self.tier.delete(key, if_etag=info.etag)
+            except (PreconditionFailed, ObjectMissing):
+                return False
             return True
         if self.own(stamp):
             # No record to leave, but only that version: the one this node's row holds
