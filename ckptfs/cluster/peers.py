@@ -191,14 +191,20 @@ class Peers:
         if key.endswith("/") or (self.own(stamp) and not exact and etag is None):
             await self.tier.delete(key)
             return True
-        if self.own(stamp) and not exact:
+        if self.own(stamp):
+            # No record to leave, but only that version.
             try:
                 await self.tier.delete(key, if_etag=etag)
                 return True
             except ObjectMissing:
                 return False
             except PreconditionFailed:
-                pass
+                if exact:
+                    # The version this node's row holds there is another node's (keys.py
+                    # ``may_delete``): it stays.
+                    log.info("%s: not deleted: the store holds another version than %s now",
+                             key, stamp)
+                    return False
             # Another tag: a version of ours under a tag this node did not keep, or another
             # node's. Only the first is this node's to delete.
             try:
@@ -212,18 +218,6 @@ class Peers:
             try:
                 await self.tier.delete(key, if_etag=info.etag)
             except (PreconditionFailed, ObjectMissing):
-                return False
-            return True
-        if self.own(stamp):
-            # No record to leave, but only that version: the one this node's row holds
-            # there is another node's (keys.py ``may_delete``) and stays.
-            try:
-                await self.tier.delete(key, if_etag=etag)
-            except PreconditionFailed:
-                log.info("%s: not deleted: the store holds another version than %s now",
-                         key, stamp)
-                return False
-            except ObjectMissing:
                 return False
             return True
         if etag is None or stamp is None:
