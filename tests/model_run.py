@@ -198,7 +198,8 @@ class Runner:
         """A node back from a power loss holds; the operator rewrites on it what it lost (the
         files it closed whose version the store does not have, where they are now: another
         node may have renamed their directory meanwhile; not a name another node linked to
-        such a file, which that node uploads), then forgets its own id there: the
+        such a file, which that node uploads; as the job would, only once what other nodes
+        changed of them is in the store and seen here), then forgets its own id there: the
         shards first, then the commit markers, each in the order the job closed them (as
         docs/SEMANTICS.md asks of an operator after a power loss)."""
         for path, cid in sorted(self.ref.files.items(),
@@ -206,13 +207,39 @@ class Runner:
             group = self.ref.links.get(path)
             if self.ref.closed_by.get(cid) != i or (group is not None and group[0] != i):
                 continue  # another node's: a name another node linked is that node's to upload
-            obj = self.objects.get(path)
-            if obj is not None and content_id(obj.body) == cid:  # type: ignore[attr-defined]
+            if self._holds(path, cid):
                 continue
+            # The operator keeps the job's rules too: a file another node changed since (an
+            # exchange, a rename) is rewritten only once that change is in the store and
+            # this node sees it; it may then need no rewrite at all. The other node's data
+            # only: its markers wait for this node, which holds.
+            paths, actors, _ = self._actors(Op("write", i, path))
+            for x in sorted(actors):
+                await self.settle_data(x)
+            if actors:
+                await self.refresh(i, paths)
+                if self._holds(path, cid):
+                    continue
             await node.coordinator.enlist()
             await write_file(node.fs, path, content(cid, self.ref.closed_at[cid]))
             self.steps.append(f"operator rewrote {path} on node {i}")
         await node.coordinator.forget(node.name)
+
+    def _holds(self, path: str, cid: int) -> bool:
+        obj = self.objects.get(path)
+        return obj is not None and content_id(obj.body) == cid  # type: ignore[attr-defined]
+
+    async def settle_data(self, i: int) -> None:
+        """Node ``i``'s files and directories (not its markers) are in the store."""
+        uploader = self.nodes[i].uploader
+        upto = uploader.last_seq()
+        with uploader.gate.bypassed(), trio.move_on_after(SYNC_LIMIT) as scope:
+            while uploader.data_outstanding(upto):
+                await uploader.wait_progress()
+        if scope.cancelled_caught:
+            self.violations.append(f"node {i}: its data did not reach the store within "
+                                   f"{SYNC_LIMIT:.0f}s")
+            raise Hang()
 
     # -- the invariants at every step -------------------------------------------------------
 
@@ -251,6 +278,15 @@ class Runner:
 
     async def prepare(self, op: Op) -> None:
         """What the job's barrier and rules give before ``op`` (module docstring)."""
+        paths, actors, removed = self._actors(op)
+        for x in sorted(actors):
+            await self.sync(x)
+        if op.kind != "write" or actors:
+            await self.refresh(op.node, paths + sorted(p for _, p in removed))
+
+    def _actors(self, op: Op) -> tuple[list[str], set[int], set[tuple[int, str]]]:
+        """The paths ``op`` touches, the other nodes whose changes it must wait for, and the
+        names of a hard-linked file that other nodes removed."""
         paths = [p for p in (op.a, op.b) if p or op.kind in ("evict", "rmtree")]
         actors = {x for p, x in self.ref.moved_by.items()
                   if any(self._related(p, q) for q in paths)}
@@ -266,10 +302,7 @@ class Runner:
         removed = self.ref.unlinked_from.get(group, set()) if group else set()
         actors |= {x for x, _ in removed}
         actors.discard(op.node)
-        for x in sorted(actors):
-            await self.sync(x)
-        if op.kind != "write" or actors:
-            await self.refresh(op.node, paths + sorted(p for _, p in removed))
+        return paths, actors, removed
 
     async def refresh(self, i: int, paths: list[str]) -> None:
         """Node ``i`` lists anew the directories of ``paths`` (as a lookup would, past the

@@ -228,6 +228,24 @@ OWN_VERSION_REPLACED_THEN_REMOVED = (3, [
     Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
     Op("write", 0, "step1.tmp/a"), Op("write", 0, "step1/a"), Op("rmtree", 0, "step2")])
 
+# One node: a file renamed to a marker's name after another marker was closed, then a power
+# loss; the replay queued the markers in their closing order, so `.metadata` reached the store
+# before `n0.done` (the rename is when it became a marker: its ctime orders it now).
+MARKER_MADE_BY_RENAME = (1, [
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
+    Op("write", 0, "step1/n0.done"), Op("rename", 0, "step1/a", "step1/.metadata"),
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
+    Op("power", 0)])
+# Node 1 exchanges node 0's two files, node 0 loses power: the operator rewrote on node 0 the
+# files whose versions the store did not hold at their new names yet, racing node 1's uploads
+# of the same names (a runner defect: the operator now keeps the job's rules, waits for node
+# 1's data and finds nothing to rewrite); node 0's removal then left a file in the store.
+OPERATOR_AFTER_AN_EXCHANGE = (2, [
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
+    Op("write", 0, "step1/b"), Op("sync", 0), Op("exchange", 1, "step1/a", "step1/b"),
+    Op("power", 0), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
+    Op("write", 0, "step1/a"), Op("rmtree", 0, "step1")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -252,7 +270,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "lost-before-another-nodes-rename": LOST_BEFORE_ANOTHER_NODES_RENAME,
          "linked-name-after-power-loss": LINKED_NAME_AFTER_POWER_LOSS,
          "removed-while-commit-forgotten": REMOVED_WHILE_COMMIT_FORGOTTEN,
-         "own-version-replaced-then-removed": OWN_VERSION_REPLACED_THEN_REMOVED}
+         "own-version-replaced-then-removed": OWN_VERSION_REPLACED_THEN_REMOVED,
+         "marker-made-by-rename": MARKER_MADE_BY_RENAME,
+         "operator-after-an-exchange": OPERATOR_AFTER_AN_EXCHANGE}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -518,6 +518,10 @@ class Uploader:
         # closed before the crash must still reach the store after the files it stands for,
         # and after the sweeps of renamed directories.
         plain, markers = self._split_markers(rows)
+        # Among the markers: in the order they became markers. One renamed to a marker's name
+        # (`a` -> `.metadata`) after another marker was closed stands for that one too (the
+        # rename is when the job declared the checkpoint complete); its rename set its ctime.
+        markers.sort(key=lambda row: max(row.closed_at or 0.0, row.ctime_ns / 1e9))
         for n, row in enumerate(plain + markers):
             if n == len(plain):
                 self._queue_sweeps()
