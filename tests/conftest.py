@@ -20,6 +20,43 @@ from tests.s3server import S3Server, start_server
 from tests.seaweed import Seaweed, start_seaweed, weed_binary
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failed test's report carries the logs it needs: every daemon log of its mounts
+    (their tails) and ``weed``'s log lines about its buckets (a test's temp directory, where
+    the daemon logs live, is gone a few runs later; weed's with the session)."""
+    report: pytest.TestReport = yield
+    if report.failed and report.when == "call":
+        for title, text in _failure_logs(getattr(item, "funcargs", {})):
+            report.sections.append((title, text))
+    return report
+
+
+FAILURE_LOG_LINES = 400
+
+
+def _failure_logs(fixtures: dict[str, object]) -> Iterator[tuple[str, str]]:
+    values = list(fixtures.values())
+    for mounter in (v for v in values if isinstance(v, Mounter)):
+        for m in mounter.mounts:
+            log = m.staging / "daemon.log"
+            with contextlib.suppress(OSError):
+                lines = log.read_text(errors="replace").splitlines()[-FAILURE_LOG_LINES:]
+                yield f"daemon log {log} (last {len(lines)} lines)", "\n".join(lines)
+    # A test's buckets: S3Store.bucket (test_upload_crash.py), Bucket.name (s3bucket.py).
+    buckets = [b for v in values for b in (getattr(v, "bucket", None), v.name
+               if isinstance(v, Bucket) else None) if isinstance(b, str)]
+    # The server itself, or the one behind a bucket fixture (``s3`` asks for ``seaweed``
+    # with getfixturevalue: then it is not among the test's arguments).
+    servers = [s for v in values for s in (v, getattr(v, "server", None))
+               if isinstance(s, Seaweed)]
+    for server in {id(s): s for s in servers}.values():
+        excerpt = server.log_excerpt(buckets, FAILURE_LOG_LINES)
+        if excerpt:
+            yield f"weed log about {', '.join(buckets) or 'anything'}", excerpt
+
+
 @pytest.fixture
 def autojump_clock() -> trio.testing.MockClock:
     """Virtual time that jumps only after 0.1 s of real idleness.

@@ -349,8 +349,10 @@ def test_kill_during_multipart_upload(s3_store: S3Store, mounter: Mounter,
                                       tmp_path: Path) -> None:
     # The throttle (faults.bandwidth) delays each put by size/bandwidth before it starts;
     # one part at a time (part_concurrency = 1) makes the multipart upload itself last.
+    # At debug level the daemon logs each directory marker it puts or deletes (a failed
+    # run's report carries its log, and weed's: conftest.py).
     cfg = s3_store.config(tmp_path / "c.toml", faults={"bandwidth": 100_000_000},
-                          upload_concurrency=2, part_concurrency=1)
+                          upload_concurrency=2, part_concurrency=1, log_level="debug")
     m = mounter("during", config=cfg)
     ckpt = Checkpoint()
     write_step(m, ckpt, 200, big=BIG)

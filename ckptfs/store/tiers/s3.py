@@ -39,6 +39,10 @@ Invariants:
 - A directory marker (``key/``) carries the directory's metadata; a server that drops it
   (SeaweedFS: the marker is a directory of its filer) gives a directory of mode 0755, as a
   listing's common prefix does (``_info``).
+- A directory marker's request and a request creating a key beneath it (a PutObject, a
+  CompleteMultipartUpload, a CopyObject) are never in flight at once (``MarkerGate``,
+  markergate.py): SeaweedFS drops a marker that lands while a write beneath it makes the
+  directory. Puts and deletes of markers are logged at debug level.
 - ``list_dir`` lists a subdirectory only if a key is under it: SeaweedFS lists an emptied
   directory as a common prefix for minutes after its last key is deleted (``_holding_keys``).
 - A copy of an object onto itself (``promote``, an in-place storage-class transition) uses
@@ -75,6 +79,7 @@ from ckptfs.store.tiers.base import (
     TierError,
     write_local,
 )
+from ckptfs.store.tiers.markergate import MarkerGate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -220,6 +225,8 @@ class S3Tier(Tier):
         self.copy_threshold = COPY_THRESHOLD
         self.copy_part_size = COPY_PART_SIZE
         self._limiter = trio.CapacityLimiter(threads)
+        # A directory marker and the writes beneath it, one after the other (markergate.py).
+        self._markers = MarkerGate()
         try:
             # The keys go to the session, not the client: then the session's credentials are
             # the ones the client signs with, and their ``method`` names where they came from.
@@ -379,8 +386,9 @@ class S3Tier(Tier):
                 body = _PartReader(fd, 0, size, progress)
                 whole = _whole_crc(meta.checksum)
                 sent = {} if whole is None else {"ChecksumCRC32C": _crc_header(whole)}
-                reply = await self._call(self.client.put_object, Bucket=self.bucket, Key=full,
-                                         Body=body, **sent, **self._put_args(meta))
+                async with self._markers.creating(full):
+                    reply = await self._call(self.client.put_object, Bucket=self.bucket,
+                                             Key=full, Body=body, **sent, **self._put_args(meta))
                 if progress and body.reported != size:
                     progress(size - body.reported)  # what the hooks did not see, if anything
             else:
@@ -453,10 +461,11 @@ class S3Tier(Tier):
         if crcs is not None:  # an upload created with a checksum names each part's
             for part, crc in zip(parts, crcs):
                 part["ChecksumCRC32C"] = _crc_header(crc)
-        done: dict[str, Any] = await self._call(
-            self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
-            UploadId=upload_id, MultipartUpload={"Parts": parts},
-        )
+        async with self._markers.creating(full):
+            done: dict[str, Any] = await self._call(
+                self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
+                UploadId=upload_id, MultipartUpload={"Parts": parts},
+            )
         return done
 
     async def _abort(self, full: str, upload_id: str, what: str) -> None:
@@ -475,8 +484,11 @@ class S3Tier(Tier):
             full, body = self._key(key.rstrip("/") + "/"), b""
         else:
             full, body = self._key(key), (meta.target or "").encode("utf-8", "surrogateescape")
-        await self._call(self.client.put_object, Bucket=self.bucket, Key=full, Body=body,
-                         Metadata=meta.to_headers())
+        async with self._markers.creating(full):
+            await self._call(self.client.put_object, Bucket=self.bucket, Key=full, Body=body,
+                             Metadata=meta.to_headers())
+        if full.endswith("/"):
+            log.debug("put directory marker s3://%s/%s", self.bucket, full)
 
     async def put_small(self, key: str, data: bytes, *, if_absent: bool = False,
                         if_tag: str | None = None) -> str:
@@ -502,7 +514,8 @@ class S3Tier(Tier):
                 raise
             return _tag(reply["ETag"]) or ""
 
-        tag: str = await self._call(put)
+        async with self._markers.creating(self._key(key)):
+            tag: str = await self._call(put)
         return tag
 
     async def get_small(self, key: str) -> tuple[bytes, str]:
@@ -658,10 +671,11 @@ class S3Tier(Tier):
                 return await self._multipart_copy(bucket, source, full, size, head, etag, args)
             # A self-copy rewrites the metadata read above: only onto that version.
             pin = if_etag if if_etag is not None or not onto_itself else etag
-            reply = await self._call(
-                self.client.copy_object, Bucket=self.bucket, Key=full,
-                CopySource={"Bucket": bucket, "Key": source},
-                **({"CopySourceIfMatch": pin} if pin is not None else {}), **args)
+            async with self._markers.creating(full):
+                reply = await self._call(
+                    self.client.copy_object, Bucket=self.bucket, Key=full,
+                    CopySource={"Bucket": bucket, "Key": source},
+                    **({"CopySourceIfMatch": pin} if pin is not None else {}), **args)
         except PreconditionFailed:
             if if_etag is not None:
                 raise
@@ -716,6 +730,8 @@ class S3Tier(Tier):
         return _tag(done.get("ETag"))
 
     async def delete(self, key: str, *, if_etag: str | None = None) -> None:
+        if key.endswith("/"):
+            log.debug("delete directory marker s3://%s/%s", self.bucket, self._key(key))
         if if_etag is None:
             await self._call(self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
             return
