@@ -211,6 +211,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q9-ranks", type=int, help="Q9 ranks writing at once [4]")
     g.add_argument("--q9-torch-mib", type=int, help="Q9 torch.save state dict [1024]")
     g.add_argument("--q9-reps", type=int, help="Q9 rounds, order rotating [3]")
+    p.add_argument("--q9-baseline", type=Path, default=None,
+                   help="Q9 burst: also mount the ckptfs package of this checkout (its default "
+                        "configuration, passthrough on), e.g. the code before the yield gate")
     p.add_argument("--q9-parts", type=str_list, default=["burst", "s3"],
                    help="Q9 parts: burst (tmpfs, uploads running), s3 (stage 2 vs boto3)")
     p.add_argument("--q8-sim-timeout", type=float, default=900.0,

@@ -60,16 +60,17 @@ def log(msg: str) -> None:
 CKPTFS_SRC = REPO
 
 
-def ckptfs_env() -> dict[str, str]:
-    """Environment that makes ``python -m ckptfs`` import the package under CKPTFS_SRC."""
-    return dict(os.environ,
-                PYTHONPATH=str(CKPTFS_SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def ckptfs_env(src: Path | None = None) -> dict[str, str]:
+    """Environment that makes ``python -m ckptfs`` import the package under ``src``
+    (CKPTFS_SRC unless given)."""
+    src = CKPTFS_SRC if src is None else src
+    return dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def ckptfs(*args: str | os.PathLike[str], timeout: float = 1800,
-           check: bool = True) -> subprocess.CompletedProcess[str]:
+def ckptfs(*args: str | os.PathLike[str], timeout: float = 1800, check: bool = True,
+           src: Path | None = None) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([*CKPTFS, *map(str, args)], capture_output=True, text=True,
-                          env=ckptfs_env(), cwd=CKPTFS_SRC, timeout=timeout,
+                          env=ckptfs_env(src), cwd=src or CKPTFS_SRC, timeout=timeout,
                           stdin=subprocess.DEVNULL, check=False)
     if check and done.returncode != 0:
         raise RuntimeError(f"ckptfs {' '.join(map(str, args))} failed ({done.returncode}):\n"
@@ -306,15 +307,18 @@ class CkptfsMount:
 
 
 @contextmanager
-def ckptfs_mount(base: Path, name: str, config_text: str) -> Iterator[CkptfsMount]:
+def ckptfs_mount(base: Path, name: str, config_text: str,
+                 src: Path | None = None) -> Iterator[CkptfsMount]:
     """``ckptfs mount MNT -c CONFIG``; at the end ``CkptfsMount.umount`` (waits for the
-    uploads), or after an error ``ckptfs umount --no-wait``; then a lazy unmount."""
+    uploads), or after an error ``ckptfs umount --no-wait``; then a lazy unmount. ``src``:
+    another checkout's package runs the daemon (a baseline; this one's control client still
+    talks to it)."""
     mnt, staging, cfg = base / f"{name}-mnt", base / f"{name}-staging", base / f"{name}.toml"
     mnt.mkdir(parents=True, exist_ok=True)
     staging.mkdir(parents=True, exist_ok=True)
     cfg.write_text(config_text)
     try:
-        ckptfs("mount", mnt, "-c", cfg, timeout=MOUNT_TIMEOUT * 2)
+        ckptfs("mount", mnt, "-c", cfg, timeout=MOUNT_TIMEOUT * 2, src=src)
         info = json.loads(os.getxattr(mnt, "user.ckptfs.daemon"))
         m = CkptfsMount(mnt, staging, cfg, int(info["pid"]))
         yield m
@@ -323,7 +327,7 @@ def ckptfs_mount(base: Path, name: str, config_text: str) -> Iterator[CkptfsMoun
     finally:
         if is_mounted(mnt):
             # After an error (or Ctrl-C) the store may be what failed: do not wait for it.
-            ckptfs("umount", mnt, "--no-wait", timeout=900, check=False)
+            ckptfs("umount", mnt, "--no-wait", timeout=900, check=False, src=src)
         unmount(mnt)
 
 

@@ -15,6 +15,9 @@ once; then one writer ``torch.save``s a ``--q9-torch-mib`` (1 GiB) state dict. M
                  defaults (ckptfs/engine/yieldgate.py: ``upload_settle``, ``upload_hold_max``)
   ckptfs-nogate  the same with ``upload_hold_max = "0s"``: uploads start as files close (what
                  ckptfs did before the gate)
+  ckptfs-baseline  with ``--q9-baseline DIR``: the ckptfs package of another checkout at its
+                 defaults, ``passthrough = "auto"`` (e.g. the code before the gate: the same
+                 figures "today", measured beside these)
 
 Before each mode's round the previous uploads are finished (``sync``, untimed) and
 ``sync(2)`` is called. Then, separately, the **time to the store**: the ranks write again and
@@ -90,16 +93,29 @@ def wait_committed(paths: list[Path], poll: float = 0.01, timeout: float = 600.0
     return time.perf_counter()
 
 
+BASELINE = "ckptfs-baseline"
+
+
+def burst_modes(r: dict[str, Any] | None = None, baseline: Path | None = None
+                ) -> tuple[str, ...]:
+    """The burst's modes: MODES, and the baseline's if asked for (or in the results ``r``)."""
+    if baseline is not None or (r is not None and any(
+            x["mode"] == BASELINE for x in r["burst"]["rounds"])):
+        return (*MODES, BASELINE)
+    return MODES
+
+
 @contextmanager
 def burst_mounts(b: Bench, base: Path, store: Path) -> Iterator[dict[str, CkptfsMount]]:
     mounts: dict[str, CkptfsMount] = {}
     with ExitStack() as stack:
-        for mode in MODES[1:]:
+        for mode in burst_modes(baseline=b.opts.q9_baseline)[1:]:
             extra = 'passthrough = "auto"\nlog_level = "warning"'
             if mode == "ckptfs-nogate":
                 extra += '\nupload_hold_max = "0s"'
             cfg = ckptfs_config(base / f"{mode}-staging", store_dir=store / mode, extra=extra)
-            mounts[mode] = stack.enter_context(ckptfs_mount(base, mode, cfg))
+            src = b.opts.q9_baseline.resolve() if mode == BASELINE else None
+            mounts[mode] = stack.enter_context(ckptfs_mount(base, mode, cfg, src=src))
         yield mounts
 
 
@@ -112,11 +128,13 @@ def burst(b: Bench) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     sd = make_state_dict(o.q9_torch_mib * MiB)
     try:
+        modes = burst_modes(baseline=o.q9_baseline)
         with burst_mounts(b, base, store) as mounts:
-            where = {"plain": base / "plain", **{m: mounts[m].path for m in MODES[1:]}}
+            where = {"plain": base / "plain", **{m: mounts[m].path for m in modes[1:]}}
             where["plain"].mkdir()
             for rep in range(o.q9_reps):
-                order = list(MODES[rep % 3:] + MODES[:rep % 3])
+                turn = rep % len(modes)
+                order = list(modes[turn:] + modes[:turn])
                 for mode in order:
                     m = mounts.get(mode)
                     paths = [where[mode] / f"rank{r}.bin" for r in range(o.q9_ranks)]
@@ -233,14 +251,15 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
 def _burst_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     br = r["burst"]["rounds"]
-    by = {m: [x for x in br if x["mode"] == m] for m in MODES}
+    modes = burst_modes(r)
+    by = {m: [x for x in br if x["mode"] == m] for m in modes}
     n = r["burst"]["ranks"]
     for key, what, target in (("write", f"{n} ranks write", "≤ 1.1x"),
                               ("read", f"{n} ranks read back", "≤ 1.1x"),
                               ("torch_save", "torch.save", "≤ 1.05x")):
         plain = _med(by["plain"], key)
         cells = []
-        for mode in MODES[1:]:
+        for mode in modes[1:]:
             per = [x[key] / p[key] for x, p in zip(by[mode], by["plain"])]
             each = ", ".join(f"{v:.2f}" for v in per)
             cells.append(f"{mode} **{_med(by[mode], key) / plain:.2f}x** ({each})")
@@ -251,6 +270,12 @@ def _burst_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     gated, free = _med(by["ckptfs"], "to_store"), _med(by["ckptfs-nogate"], "to_store")
     rows.append(("burst: last close to every file committed, s: ckptfs / ckptfs-nogate",
                  f"**{gated:.2f}** / {free:.2f} (rounds {each})", "grows by ≤ the settle"))
+    if BASELINE in by:
+        each = ", ".join(f"{a['to_store']:.2f}/{c['to_store']:.2f}"
+                         for a, c in zip(by["ckptfs"], by[BASELINE]))
+        rows.append(("burst: last close to every file committed, s: ckptfs / ckptfs-baseline",
+                     f"**{gated:.2f}** / {_med(by[BASELINE], 'to_store'):.2f} (rounds {each})",
+                     "grows by ≤ the settle"))
     return rows
 
 
@@ -277,10 +302,12 @@ def plot(ax: Any, r: dict[str, Any]) -> None:
         return
     br = r["burst"]["rounds"]
     keys = ("write", "read", "torch_save")
-    for i, mode in enumerate(MODES):
+    modes = burst_modes(r)
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
         vals = [_med([x for x in br if x["mode"] == mode], k) for k in keys]
-        ax.bar([j + i * 0.27 for j in range(3)], vals, width=0.27, label=mode)
-    ax.set_xticks([j + 0.27 for j in range(3)], list(keys), fontsize=8)
+        ax.bar([j + i * width for j in range(3)], vals, width=width, label=mode)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(3)], list(keys), fontsize=8)
     ax.set_ylabel("seconds (median)")
     ax.set_title("Q9 burst on tmpfs with uploads running", fontsize=9)
     ax.legend(fontsize=7)
