@@ -245,6 +245,14 @@ OPERATOR_AFTER_AN_EXCHANGE = (2, [
     Op("write", 0, "step1/b"), Op("sync", 0), Op("exchange", 1, "step1/a", "step1/b"),
     Op("power", 0), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
     Op("write", 0, "step1/a"), Op("rmtree", 0, "step1")])
+# Node 0 renames node 1's file to a marker's name, node 1 removes it once the move is in the
+# store, node 0 loses power with its journal rolled back to between its rename and the move's
+# commit: the move, tried again, found the old key gone and marked the file incomplete for
+# good (gone from the store behind ckptfs), though the job had removed it.
+MOVE_FORGOTTEN_THEN_REMOVED = (2, [
+    Op("write", 0, "step1/m/a"), Op("rmtree", 0, "step1"), Op("write", 1, "step2/a"),
+    Op("rename", 0, "step2/a", "step2/.metadata"), Op("unlink", 1, "step2/.metadata"),
+    Op("power", 0, n=2)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -272,7 +280,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "removed-while-commit-forgotten": REMOVED_WHILE_COMMIT_FORGOTTEN,
          "own-version-replaced-then-removed": OWN_VERSION_REPLACED_THEN_REMOVED,
          "marker-made-by-rename": MARKER_MADE_BY_RENAME,
-         "operator-after-an-exchange": OPERATOR_AFTER_AN_EXCHANGE}
+         "operator-after-an-exchange": OPERATOR_AFTER_AN_EXCHANGE,
+         "move-forgotten-then-removed": MOVE_FORGOTTEN_THEN_REMOVED}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -21,6 +21,7 @@ import trio.testing
 from ckptfs.cluster.coordination import NODES
 from ckptfs.cluster.noderun import HOLD_FILE, RUN_FILE, NodeRun
 from ckptfs.engine.fs import ROOT_CALLER
+from ckptfs.errors import NotFound
 from ckptfs.state.journal import ROOT_INODE
 from ckptfs.store.tiers.memory import store_named
 from tests.cluster import Node, durable_point, make_tier, power_loss, run_node
@@ -226,5 +227,58 @@ async def test_shards_rewritten_before_the_operator_forgets_are_waited_for(
         await b.coordinator.forget(b.name)
         await wait_for(lambda: "step_1/.metadata" in keys(store))
         assert store_named(store)["step_1/__1_0.distcp"].body == b"b" * 50_000
+        await a.stop()
+        await b.stop()
+
+
+async def sync(node: Node) -> None:
+    """``ckptfs sync`` on the node."""
+    await node.uploader.wait_until_done(node.uploader.last_seq())
+
+
+@pytest.mark.parametrize("removed", [False, True], ids=["moved", "moved-then-removed"])
+async def test_a_move_the_power_loss_made_the_journal_forget(
+    tmp_path: Path, store: str, clock: trio.abc.Clock, removed: bool
+) -> None:
+    """A renames B's file and the move reaches the store; a power loss rolls A's journal back
+    to between its rename and the move's commit. Tried again, the move finds the old key
+    gone: the new key holding the version means the move was done (it is committed, not
+    incomplete); nothing there (B removed it once A's move was in the store, as the job's
+    rules have it, and tells nobody of its own deletion) means it goes on A too."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, node="n-b"))
+        await b.write("step_1/shard", b"s" * 5000)
+        await sync(b)
+        step = (await a.fs.lookup(ROOT_INODE, b"step_1")).ino
+        await a.fs.lookup(step, b"shard")
+        await a.fs.rename(step, b"shard", step, b".metadata")
+        durable = durable_point(tmp_path / "a")  # the rename, not the move's commit
+        await sync(a)
+        await wait_for(lambda: "step_1/shard" not in keys(store))
+        assert "step_1/.metadata" in keys(store)
+        if removed:
+            b_step = (await b.fs.lookup(ROOT_INODE, b"step_1")).ino
+            await trio.sleep(60)  # B's listing shows A's move
+            await b.fs.lookup(b_step, b".metadata")
+            await b.fs.unlink(b_step, b".metadata")
+            await sync(b)
+            assert "step_1/.metadata" not in keys(store)
+        a.kill()
+        await a.stopped.wait()
+        power_loss(tmp_path / "a", durable)
+        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store,
+                                                  boot="boot-2"))
+        await a.coordinator.forget(a.name)
+        await sync(a)
+        step = (await a.fs.lookup(ROOT_INODE, b"step_1")).ino
+        if removed:
+            with pytest.raises(NotFound):
+                await a.fs.lookup(step, b".metadata")
+            assert "step_1/.metadata" not in keys(store)
+        else:
+            row = await a.fs.lookup(step, b".metadata")
+            assert not row.incomplete and row.remote_key == "step_1/.metadata"
+            assert "step_1/.metadata" in keys(store)
         await a.stop()
         await b.stop()

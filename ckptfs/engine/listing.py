@@ -662,6 +662,14 @@ class Lister:
         self.journal.insert(row)
         self.journal.note_committed(row.ino)
 
+    def drop_removed(self, row: Row) -> bool:
+        """The uploader found ``row``'s version removed from the store by another node (after
+        a power loss: upload.py ``_move_forgotten``): it goes here too."""
+        if row.parent is None or row.name is None or self._is_busy(row.ino):
+            return False
+        with self.journal.transaction():
+            return self._remove(self.ns.get(row.parent), row.name, row)
+
     def take(self, row: Row, info: ObjectInfo) -> bool:
         """``row``, a view of the object at ``info.key``, takes the version ``info`` describes
         now (a sweep or a move found a newer one than the row's: upload.py); False if the

@@ -221,6 +221,9 @@ class Uploader:
         self.stats = UploadStats()
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
+        # Back from a power loss: the files whose move to their key the journal holds at
+        # start (it may have forgotten that the move was done: ``_move_forgotten``).
+        self._forgotten_moves: set[int] = set()
         # Directories renamed or removed whose sweep has not run yet: id -> old prefix.
         self._sweeping: dict[int, str] = {}
         # ... and its new prefix (None: a removal).
@@ -542,6 +545,8 @@ class Uploader:
             # Back from a power loss: before anything is uploaded again, what other nodes did
             # meanwhile to versions whose commit the journal forgot (listing.py).
             await self.lister.settle_forgotten()
+            self._forgotten_moves = {w.key[1] for w in self._pending.values()
+                                     if w.key[0] == "ino" and self._is_move(w.key[1])}
         keys = set(self._interrupted_keys)
         try:
             removed = await self.tier.cleanup(keys)
@@ -893,6 +898,52 @@ class Uploader:
         else:
             await self._put_entry(row, key)
 
+    def _is_move(self, ino: int) -> bool:
+        try:
+            row = self.ns.get(ino)
+        except NotFound:
+            return False
+        key = self.keys.key_of(row)
+        return key is not None and self.keys.is_move(row, key)
+
+    async def _move_forgotten(self, row: Row, key: str) -> bool:
+        """The version ``row`` moves to ``key`` is gone from its old key, and the node is back
+        from a power loss that may have rolled the journal back to before the move was done.
+        True if that explains it (the row is settled): the new key holds the version (the
+        move was done: taken as committed), or the job removed it since (another node's
+        version, whose writer tells nobody of its own deletions: by the job's rules, nothing
+        removes the old key before this node's move is in the store; or this node's version,
+        that a record says another node deleted or moved). Else False: gone behind ckptfs."""
+        self._forgotten_moves.discard(row.ino)
+        try:
+            info: ObjectInfo | None = await self.tier.head(key)
+        except ObjectMissing:
+            info = None
+        if info is not None and _same_version(row, info):
+            row.remote_key, row.remote_etag = key, info.etag
+            if row.state is not State.REMOTE:
+                row.state = State.COMMITTED
+            self.ns.persist(row)
+            log.info("%s: its move was done before the power loss; taken as committed", key)
+            return True
+        if self.lister is None:
+            return False
+        record = None
+        if not self.peers.foreign(row.stamp):
+            record = (await self.peers.replaced({key: row})).get(key)
+            if record is None:
+                return False
+        if not self.lister.drop_removed(row):
+            return False
+        log.warning("%s: its move was forgotten by the power loss and its version is gone "
+                    "from the store: removed since by %s, removed here too", key,
+                    f"node {record.by}" if record is not None and record.by
+                    else "another node")
+        if record is not None:
+            await self.journal.make_durable_async()
+            await self.peers.drop([record])
+        return True
+
     async def _supersede(self, key: str) -> None:
         """An upload to ``key`` makes pending deletions of ``key`` pointless (and harmful).
         The versions they were to delete are replaced instead: their writers are told first,
@@ -1084,6 +1135,8 @@ class Uploader:
             tag = await self.tier.copy(old_key, key, if_etag=info.etag)
         except ObjectMissing:
             row.uploading_key = None
+            if row.ino in self._forgotten_moves and await self._move_forgotten(row, key):
+                return
             if row.state is State.REMOTE:
                 # Nothing here to upload again: the file is reported, never retried forever
                 # (which would hold every later marker of this node).
