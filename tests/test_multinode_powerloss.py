@@ -27,6 +27,7 @@ from ckptfs.store.tiers.memory import store_named
 from tests.cluster import Node, durable_point, make_tier, power_loss, run_node
 from tests.mounting import Mounter, ckptfs
 from tests.mounting import status as mounting_status
+from tests.test_peer_renames import read
 
 
 @pytest.fixture
@@ -236,15 +237,16 @@ async def sync(node: Node) -> None:
     await node.uploader.wait_until_done(node.uploader.last_seq())
 
 
-@pytest.mark.parametrize("removed", [False, True], ids=["moved", "moved-then-removed"])
+@pytest.mark.parametrize("then", ["", "removed", "rewritten"])
 async def test_a_move_the_power_loss_made_the_journal_forget(
-    tmp_path: Path, store: str, clock: trio.abc.Clock, removed: bool
+    tmp_path: Path, store: str, clock: trio.abc.Clock, then: str
 ) -> None:
     """A renames B's file and the move reaches the store; a power loss rolls A's journal back
     to between its rename and the move's commit. Tried again, the move finds the old key
     gone: the new key holding the version means the move was done (it is committed, not
     incomplete); nothing there (B removed it once A's move was in the store, as the job's
-    rules have it, and tells nobody of its own deletion) means it goes on A too."""
+    rules have it, and tells nobody of its own deletion) means it goes on A too; another
+    version there (B rewrote it since) is what A shows."""
     async with trio.open_nursery() as nursery:
         a = await nursery.start(run_node, tmp_path / "a", store)
         b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, node="n-b"))
@@ -257,13 +259,16 @@ async def test_a_move_the_power_loss_made_the_journal_forget(
         await sync(a)
         await wait_for(lambda: "step_1/shard" not in keys(store))
         assert "step_1/.metadata" in keys(store)
-        if removed:
+        if then:
             b_step = (await b.fs.lookup(ROOT_INODE, b"step_1")).ino
             await trio.sleep(60)  # B's listing shows A's move
             await b.fs.lookup(b_step, b".metadata")
-            await b.fs.unlink(b_step, b".metadata")
+            if then == "removed":
+                await b.fs.unlink(b_step, b".metadata")
+            else:
+                await b.write("step_1/.metadata", b"new" * 100)
             await sync(b)
-            assert "step_1/.metadata" not in keys(store)
+            assert ("step_1/.metadata" in keys(store)) is (then == "rewritten")
         a.kill()
         await a.stopped.wait()
         power_loss(tmp_path / "a", durable)
@@ -272,13 +277,14 @@ async def test_a_move_the_power_loss_made_the_journal_forget(
         await a.coordinator.forget(a.name)
         await sync(a)
         step = (await a.fs.lookup(ROOT_INODE, b"step_1")).ino
-        if removed:
+        if then == "removed":
             with pytest.raises(NotFound):
                 await a.fs.lookup(step, b".metadata")
             assert "step_1/.metadata" not in keys(store)
         else:
             row = await a.fs.lookup(step, b".metadata")
             assert not row.incomplete and row.remote_key == "step_1/.metadata"
-            assert "step_1/.metadata" in keys(store)
+            assert await read(a.fs, "step_1/.metadata") == (
+                b"new" * 100 if then == "rewritten" else b"s" * 5000)
         await a.stop()
         await b.stop()

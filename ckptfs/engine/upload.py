@@ -910,7 +910,8 @@ class Uploader:
         """The version ``row`` moves to ``key`` is gone from its old key, and the node is back
         from a power loss that may have rolled the journal back to before the move was done.
         True if that explains it (the row is settled): the new key holds the version (the
-        move was done: taken as committed), or the job removed it since (another node's
+        move was done: taken as committed) or a newer one (the move was done, and the name
+        rewritten since: taken as that), or the job removed it since (another node's
         version, whose writer tells nobody of its own deletions: by the job's rules, nothing
         removes the old key before this node's move is in the store; or this node's version,
         that a record says another node deleted or moved). Else False: gone behind ckptfs."""
@@ -928,6 +929,17 @@ class Uploader:
             return True
         if self.lister is None:
             return False
+        if info is not None:
+            # Another version at the new key: by the job's rules nothing writes this name
+            # before this node's move is in the store, so the move was done and the name
+            # rewritten since; the row is a view of that (the listing takes it, as for any
+            # file rewritten by another node).
+            row.remote_key = key
+            self.ns.persist(row)
+            self.lister.take(row, info)
+            log.info("%s: its move was done before the power loss and the name rewritten "
+                     "since; taking the new version", key)
+            return True
         record = None
         if not self.peers.foreign(row.stamp):
             record = (await self.peers.replaced({key: row})).get(key)
