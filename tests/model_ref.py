@@ -156,6 +156,8 @@ class Reference:
 
     def rename(self, node: int, src: str, dst: str) -> None:
         """``rename(2)`` of a file or a directory (over a file, or an empty directory)."""
+        if src in self.links and self.links.get(dst) == self.links[src]:
+            return  # two names of one file: POSIX does nothing, both stay
         moves = {p: dst + p[len(src):] for p in self.under(src)}
         if dst in self.files:
             self._drop(dst, node)

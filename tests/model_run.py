@@ -179,7 +179,22 @@ class Runner:
             self.violations.append(f"node {i}: sync did not return within {SYNC_LIMIT:.0f}s "
                                    f"({len(node.uploader.outstanding())} items left, "
                                    f"held markers {node.uploader.held_markers()})")
+            self.violations += [self._stuck(j) for j in sorted(self.nodes)]
             raise Hang()
+
+    def _stuck(self, i: int) -> str:
+        """What node ``i`` has left (for a hang's report)."""
+        node = self.nodes[i]
+        def what(key: tuple[str, int]) -> str:
+            if key[0] == "ino":
+                path = node.fs.journal.path_of(key[1])
+                return f"{path.decode() if path is not None else '?'} ({key[1]})"
+            return f"{key[0]} {key[1]}"
+
+        items = ", ".join(f"{what(w.key)} #{w.seq}{' (' + w.error + ')' if w.error else ''}"
+                          for w in sorted(node.uploader.outstanding(), key=lambda w: w.seq))
+        return (f"  node {i}: items [{items}]; waiting for {node.coordinator.waiting_for}, "
+                f"hold {node.coordinator.hold is not None}")
 
     async def restart(self, i: int, down: float, power: bool) -> None:
         node = self.nodes.pop(i)

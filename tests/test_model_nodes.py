@@ -253,6 +253,23 @@ MOVE_FORGOTTEN_THEN_REMOVED = (2, [
     Op("write", 0, "step1/m/a"), Op("rmtree", 0, "step1"), Op("write", 1, "step2/a"),
     Op("rename", 0, "step2/a", "step2/.metadata"), Op("unlink", 1, "step2/.metadata"),
     Op("power", 0, n=2)])
+# A rename of a hard link over another name of the same file does nothing (POSIX): the
+# reference dropped the old name (a defect of the reference, not of ckptfs).
+RENAME_OVER_ITS_OWN_LINK = (2, [
+    Op("write", 0, "step1.tmp/.metadata"), Op("link", 1, "step1.tmp/.metadata", "step1.tmp/l1"),
+    Op("rename", 1, "step1.tmp/l1", "step1.tmp/.metadata")])
+# Two nodes each with a sweep waiting for a full barrier (node 1 removed step2, node 0
+# step2.tmp) and a marker unrelated to it: one barrier per node carried both, so each
+# marker waited for a full ack, which waits for the other node's marker: neither went, and
+# node 1's sync hung. Plain and full barriers are posted apart now (coordination.py).
+SWEEPS_AND_MARKERS_ON_TWO_NODES = (2, [
+    Op("write", 0, "step1/m/a"), Op("rmtree", 0, "step1"), Op("write", 1, "step2/b"),
+    Op("rename", 0, "step2/b", "step2/.metadata"), Op("rmtree", 1, "step2"),
+    Op("power", 0, n=30), Op("write", 1, "step2/n1.done"), Op("write", 1, "step2.tmp/n1.done"),
+    Op("write", 0, "step2/n0.done"), Op("pause", 0, n=1), Op("rmtree", 0, "step2.tmp"),
+    Op("slow", 0), Op("power", 0), Op("write", 0, "step2/a"), Op("pause", 0, n=1),
+    Op("slow", 0), Op("kill", 0), Op("write", 0, "step2/n0.done"), Op("sync", 1),
+    Op("link", 0, "step2/n0.done", "step2/l1")])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -281,7 +298,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "own-version-replaced-then-removed": OWN_VERSION_REPLACED_THEN_REMOVED,
          "marker-made-by-rename": MARKER_MADE_BY_RENAME,
          "operator-after-an-exchange": OPERATOR_AFTER_AN_EXCHANGE,
-         "move-forgotten-then-removed": MOVE_FORGOTTEN_THEN_REMOVED}
+         "move-forgotten-then-removed": MOVE_FORGOTTEN_THEN_REMOVED,
+         "rename-over-its-own-link": RENAME_OVER_ITS_OWN_LINK,
+         "sweeps-and-markers-on-two-nodes": SWEEPS_AND_MARKERS_ON_TWO_NODES}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -79,7 +79,11 @@ removed, whose keys every node's files closed in it must reach first). Their ack
 the acking node's markers too (one node's own marker in another's renamed tmp dir), but not
 for markers queued after a sweep of the acking node's own (they wait for that sweep, which
 waits for this node's ack in turn), nor for moves that wait for a sweep: a marker waits only
-for plain barriers, whose acks wait only for files, so no ack ever waits for itself.
+for plain barriers, whose acks wait only for files, so no ack ever waits for itself. So the
+two kinds are posted apart, each by its own task: a plain barrier goes out while a full one
+waits (two nodes each with a sweep waiting and a marker held would otherwise wait for each
+other: each full ack waits for the other node's marker, held behind that node's full
+barrier). A full barrier, acked, releases the markers numbered below it too.
 
 Store requests per node: one GET of the epoch per poll (``node_poll_interval`` while there is
 work or a recent barrier, ``node_idle_poll_interval`` when idle); per barrier, one LIST of the
@@ -90,6 +94,7 @@ one of the epoch, a LIST of nodes and of acks per poll until done, and the clean
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -208,7 +213,10 @@ class Coordinator:
         self.tier = tier
         self.node = node
         self.token = token or secrets.token_hex(16)
-        self._posted: tuple[str, int, bool] | None = None  # barrier name, upto, announced
+        # Per kind (full or not): the barrier posted and not released yet (name, upto,
+        # announced), and the nodes that have not acked it.
+        self._posted: dict[bool, tuple[str, int, bool] | None] = {False: None, True: None}
+        self._waiting: dict[bool, list[str]] = {False: [], True: []}
         self.queue = queue
         self.poll = poll
         self.idle_poll = max(idle_poll, poll)
@@ -576,7 +584,8 @@ class Coordinator:
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self._drop_own_barriers()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._retrying, self._post_barriers)
+            nursery.start_soon(self._retrying, functools.partial(self._post_barriers, False))
+            nursery.start_soon(self._retrying, functools.partial(self._post_barriers, True))
             nursery.start_soon(self._retrying, self._ack_barriers)
             nursery.start_soon(self._retrying, self._heartbeats)
             task_status.started()
@@ -609,17 +618,17 @@ class Coordinator:
         for number in numbers:
             await self._cleanup(f"{self.node}/{number}")
 
-    async def _post_barriers(self) -> None:
-        """Post a barrier for the markers wanted, wait for every node's ack, release them.
-        A store error anywhere retries from where it was (``_posted``): a barrier once put is
-        waited for, not replaced by a new one that would orphan it."""
+    async def _post_barriers(self, full: bool) -> None:
+        """Post a barrier of this kind (``full``: for sweeps) for what is wanted, wait for
+        every node's ack, release. A store error anywhere retries from where it was
+        (``_posted``): a barrier once put is waited for, not replaced by a new one that would
+        orphan it."""
         while True:
-            if self._posted is None:
-                while self._wanted <= self._released and \
-                        self._wanted_full <= self._released_full:
+            if self._posted[full] is None:
+                while not self._wanting(full):
                     await self._kick.wait()
-                full = self._wanted_full > self._released_full
-                upto = max(self.queue.current_seq(), self._wanted, self._wanted_full)
+                upto = max(self.queue.current_seq(),
+                           self._wanted_full if full else self._wanted)
                 others = await self.nodes() - {self.node}
                 if not others:
                     self._release(upto, full)
@@ -630,28 +639,43 @@ class Coordinator:
                     (FULL if full else "")
                 body = json.dumps({"node": self.node, "upto": upto, "at": time.time()}).encode()
                 await self._request("put", self.tier.put_small, BARRIERS + name, body)
-                self._posted = (name, upto, False)
-                self.barrier = name
+                self._posted[full] = (name, upto, False)
+                self._show()
                 self.stats.barriers_posted += 1
-            name, upto, announced = self._posted
+            posted = self._posted[full]
+            assert posted is not None
+            name, upto, announced = posted
             if not announced:
                 await self._request("put", self.tier.put_small, EPOCH, name.encode())
-                self._posted = (name, upto, True)
+                self._posted[full] = (name, upto, True)
             self.activity()
             waiting_since = self._clock()
             while True:
                 others = await self.nodes() - {self.node}
                 acked = set(await self._names(f"{ACKS}{name}/"))
-                self.waiting_for = sorted(others - acked)
-                if not self.waiting_for:
+                self._waiting[full] = sorted(others - acked)
+                self._show()
+                if not self._waiting[full]:
                     break
                 if self._clock() - waiting_since >= SLOW_ACK:
                     await self._read_waited()  # a slow or dead node: say who it is
                 await trio.sleep(self.poll)
             self.error = None
-            self._posted = None
-            self._release(upto, name.endswith(FULL))
+            self._posted[full] = None
+            self._release(upto, full)
             await self._cleanup(name)
+
+    def _wanting(self, full: bool) -> bool:
+        if full:
+            return self._wanted_full > self._released_full
+        return self._wanted > self._released
+
+    def _show(self) -> None:
+        """``barrier`` and ``waiting_for`` (status) from the barriers of both kinds."""
+        names = [p[0] for p in (self._posted[False], self._posted[True]) if p is not None]
+        self.barrier = names[0] if names else None
+        self.waiting_for = sorted(set(self._waiting[False]) | set(self._waiting[True]))
+        self.waited_info = {k: v for k, v in self.waited_info.items() if k in self.waiting_for}
 
     async def _read_waited(self) -> None:
         """Refresh what the nodes we wait for registered (at most every HEARTBEAT each)."""
@@ -677,9 +701,8 @@ class Coordinator:
         self._released = max(self._released, upto)
         if full:
             self._released_full = max(self._released_full, upto)
-        self.waiting_for = []
-        self.waited_info = {}
-        self.barrier = None
+        self._waiting[full] = []
+        self._show()
         self.queue.released()
 
     async def _cleanup(self, name: str) -> None:
