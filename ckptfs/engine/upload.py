@@ -915,11 +915,12 @@ class Uploader:
         version, whose writer tells nobody of its own deletions: by the job's rules, nothing
         removes the old key before this node's move is in the store; or this node's version,
         that a record says another node deleted or moved). Else False: gone behind ckptfs."""
-        self._forgotten_moves.discard(row.ino)
         try:
             info: ObjectInfo | None = await self.tier.head(key)
         except ObjectMissing:
             info = None
+        # Decided once (a store error above retries the move, and this with it).
+        self._forgotten_moves.discard(row.ino)
         if info is not None and _same_version(row, info):
             row.remote_key, row.remote_etag = key, info.etag
             if row.state is not State.REMOTE:
