@@ -146,7 +146,7 @@ class ChangeListener(Protocol):
     """What stage 2 (upload.py) needs to hear from the core. Calls must not block."""
 
     def inode_changed(self, ino: int) -> None: ...
-    def closed(self, ino: int) -> None: ...
+    def closed(self, inos: list[int]) -> None: ...
     def tree_moved(self, inos: list[int]) -> None: ...
     def sweep_added(self, sweep_id: int) -> None: ...
     def tombstone_added(self, tomb_id: int, key: str) -> None: ...
@@ -161,7 +161,7 @@ class _NoListener:
     def inode_changed(self, ino: int) -> None:
         return None
 
-    def closed(self, ino: int) -> None:
+    def closed(self, inos: list[int]) -> None:
         return None
 
     def sweep_added(self, sweep_id: int) -> None:
@@ -1511,8 +1511,7 @@ class Filesystem:
             # close(2) returns now; RELEASE (which stages the file) may come later. The file
             # takes its place in the upload order here, so that a marker closed after this
             # returns, on any node, waits for it.
-            for name in names:
-                self.listener.closed(name.ino)
+            self.listener.closed([name.ino for name in names])
         elif self.ns.is_dirty(handle.ino):
             self.ns.persist(row)
 

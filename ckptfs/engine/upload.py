@@ -246,12 +246,22 @@ class Uploader:
         """``ino`` (a file closed, a directory made, a file renamed...) needs reconciling."""
         self._queue(("ino", ino))
 
-    def closed(self, ino: int) -> None:
-        """The last writer's close(2) of ``ino`` returned (FLUSH); RELEASE, which queues it,
-        may come later. It is numbered now: barriers acknowledged meanwhile wait for it."""
-        if ino not in self._closing:
-            self._closing[ino] = self._number()
-            self._wake()
+    def closed(self, inos: list[int]) -> None:
+        """The last writer's close(2) of a file returned (FLUSH): ``inos`` are its names (a
+        hard-linked file's head and aliases); RELEASE, which queues them, may come later.
+        They are numbered now, so that barriers acknowledged meanwhile wait for them, and
+        commit markers among them after the other names: a `.metadata` linked as `l1` and
+        rewritten waits for `l1`'s new version."""
+        rows = []
+        for ino in inos:
+            try:
+                rows.append(self.ns.get(ino))
+            except NotFound:
+                continue
+        for row in self._markers_last(rows):
+            if row.ino not in self._closing:
+                self._closing[row.ino] = self._number()
+        self._wake()
 
     def tree_moved(self, inos: list[int]) -> None:
         """A directory moved: reconcile it and its descendants (moves, then old-key deletions).
