@@ -453,8 +453,12 @@ class Filesystem:
             if self.lister is None or name in (b".", b".."):
                 raise
             # A miss asks the store (at most once per metadata_ttl: the listing is cached,
-            # and so is the absence).
+            # and so is the absence). Looked up again only if something changed meanwhile
+            # (the listing found entries): a create's lookup of its new name asks once.
+            changes = self.journal.total_changes
             await self.lister.refresh(self.ns.get(parent))
+            if self.journal.total_changes == changes:
+                raise
             row = self.ns.lookup(parent, name)
         else:
             if self.lister is not None and row.remote_key is not None and \
