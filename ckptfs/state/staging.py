@@ -250,7 +250,8 @@ class Staging:
     def acquire_new(self, ino: int) -> int:
         """``create_empty`` and ``acquire`` in one open (a create's: half its opens)."""
         assert ino not in self._open, f"inode {ino} is new: nobody holds its data file"
-        fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(os.path.join(self._data_str, str(ino)),  # no Path: once per create
+                     os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         self._open[ino] = _OpenData(fd, 1)
         return fd
 
