@@ -278,6 +278,13 @@ LINKED_MARKER_REWRITTEN = (2, [
     Op("pause", 0, n=1), Op("link", 1, "step1/.metadata", "step1/l1"), Op("sync", 0),
     Op("kill", 0), Op("sync", 0), Op("pause", 0, n=40), Op("pause", 0, n=1),
     Op("pause", 0, n=3), Op("write", 1, "step1/.metadata")])
+# One node: a hard-linked file rewritten after a sync, its new version uploaded, then a power
+# loss: the journal rolled back to the older commit and the bytes were gone, and a linked
+# file never takes a version from the store (local wins), so both names read short for
+# good. With nothing local left, its names take this node's later version.
+LINKED_FILE_AFTER_POWER_LOSS = (1, [
+    Op("write", 0, "step1/a"), Op("link", 0, "step1/a", "step1/l1"), Op("write", 0, "step1/a"),
+    Op("sync", 0), Op("write", 0, "step1/a"), Op("pause", 0, n=1), Op("power", 0)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -309,7 +316,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "move-forgotten-then-removed": MOVE_FORGOTTEN_THEN_REMOVED,
          "rename-over-its-own-link": RENAME_OVER_ITS_OWN_LINK,
          "sweeps-and-markers-on-two-nodes": SWEEPS_AND_MARKERS_ON_TWO_NODES,
-         "linked-marker-rewritten": LINKED_MARKER_REWRITTEN}
+         "linked-marker-rewritten": LINKED_MARKER_REWRITTEN,
+         "linked-file-after-power-loss": LINKED_FILE_AFTER_POWER_LOSS}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

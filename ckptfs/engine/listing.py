@@ -465,6 +465,11 @@ class Lister:
                     self._maybe_update(existing, info)
                 elif self._clean(existing, info.key) and is_special(existing.mode):
                     self._maybe_update_special(existing, info)
+                elif self._forgotten_link(existing, info):
+                    log.warning("%s: its bytes were lost here with a commit the journal forgot; "
+                                "this node's later version in the store is taken (%d bytes)",
+                                info.key, info.size)
+                    self._maybe_update(existing, info)
                 elif self._recoverable(existing, info):
                     self._recover(existing, info)
                 elif info.key in replaced and self._recoverable(existing, None) and \
@@ -569,8 +574,9 @@ class Lister:
             # whatever its metadata: a chmod, chown or touch on another node keeps the tag.
             # So its metadata is read at every refresh (special files are few).
             return self._clean(row, info.key)
-        return (self._clean(row, info.key) and (info.etag is None or info.etag != row.remote_etag)
-                or self._recoverable(row, None))
+        changed = info.etag is None or info.etag != row.remote_etag
+        return (self._clean(row, info.key) and changed or self._recoverable(row, None)
+                or changed and self._forgotten_link(row, None))
 
     async def _head_all(self, infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
         found: dict[str, ObjectInfo] = {}
@@ -727,6 +733,22 @@ class Lister:
                 and not self.ns.is_linked(row)
                 and (info is None or (info.meta_known and info.meta.kind is Kind.FILE
                                       and self.peers.own(info.meta.stamp))))
+
+    def _forgotten_link(self, row: Row, info: ObjectInfo | None) -> bool:
+        """Whether ``row``, a name of a hard-linked file whose bytes this node no longer has
+        (a power loss took them, and the journal rolled back to an older commit), finds in
+        the store a later version of its own (``info``, its metadata read; None: not read
+        yet): the journal forgot that commit. Nothing local is left to win over it (the rule
+        for linked files, ``_clean``), so the name takes it."""
+        if not (stat.S_ISREG(row.mode) and self.ns.is_linked(row) and self._settled(
+                row, row.remote_key or "") and self.ns.kernel(row).state is State.REMOTE):
+            return False
+        if info is None:
+            return True
+        version = version_of(info.meta.stamp) if info.meta_known else None
+        return info.meta.kind is Kind.FILE and self.peers.own(info.meta.stamp) and \
+            info.key == row.remote_key and info.etag != row.remote_etag and \
+            version is not None and version > row.version
 
     def _recover(self, row: Row, info: ObjectInfo, by: str | None = None) -> None:
         """``row`` came back incomplete: it takes the store's version ``info``, this node's
