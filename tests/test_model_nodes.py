@@ -285,6 +285,13 @@ LINKED_MARKER_REWRITTEN = (2, [
 LINKED_FILE_AFTER_POWER_LOSS = (1, [
     Op("write", 0, "step1/a"), Op("link", 0, "step1/a", "step1/l1"), Op("write", 0, "step1/a"),
     Op("sync", 0), Op("write", 0, "step1/a"), Op("pause", 0, n=1), Op("power", 0)])
+# The same with a marker's name, the file closed but not committed in the rolled-back
+# journal: it came back incomplete, and a linked file was never recovered from its own
+# version in the store (the unlinked one was).
+LINKED_MARKER_AFTER_POWER_LOSS = (2, [
+    Op("write", 0, "step2.tmp/.metadata"), Op("link", 0, "step2.tmp/.metadata", "step2.tmp/l1"),
+    *[Op("write", 0, "step1/a")] * 16, Op("rmtree", 0, "step1"),
+    Op("write", 0, "step2.tmp/.metadata"), Op("pause", 0, n=1), Op("power", 0)])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
@@ -317,7 +324,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "rename-over-its-own-link": RENAME_OVER_ITS_OWN_LINK,
          "sweeps-and-markers-on-two-nodes": SWEEPS_AND_MARKERS_ON_TWO_NODES,
          "linked-marker-rewritten": LINKED_MARKER_REWRITTEN,
-         "linked-file-after-power-loss": LINKED_FILE_AFTER_POWER_LOSS}
+         "linked-file-after-power-loss": LINKED_FILE_AFTER_POWER_LOSS,
+         "linked-marker-after-power-loss": LINKED_MARKER_AFTER_POWER_LOSS}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

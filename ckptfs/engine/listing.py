@@ -730,7 +730,6 @@ class Lister:
         of it (``info``, its metadata read; None: not read yet): that version is all that is
         left of the file, complete and committed, and it is taken instead."""
         return (row.incomplete and stat.S_ISREG(row.mode) and not self._is_busy(row.ino)
-                and not self.ns.is_linked(row)
                 and (info is None or (info.meta_known and info.meta.kind is Kind.FILE
                                       and self.peers.own(info.meta.stamp))))
 
