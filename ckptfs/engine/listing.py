@@ -339,7 +339,7 @@ class Lister:
                                  record.fate.value, record.by or "?")
             if not keep:
                 done.append(record)
-        await self._drop_records(done)
+        await self.drop_records(done)
         return removed
 
     async def settle_forgotten(self) -> int:
@@ -375,10 +375,10 @@ class Lister:
                                 "%s that version since: not uploaded again", record.key,
                                 record.by or "?", record.fate.value)
             done.append(record)
-        await self._drop_records(done)
+        await self.drop_records(done)
         return removed
 
-    async def _drop_records(self, records: list[Record]) -> None:
+    async def drop_records(self, records: list[Record]) -> None:
         """Delete records acted on, once what they made this node do is durable: a power
         loss must not roll the journal back to before the act while the record is gone (the
         node would hold its copy again with nothing to say why the store lacks it, and
@@ -511,7 +511,7 @@ class Lister:
                 # No verdict (the records could not be read): the next listing decides.
         self._fresh_until[directory.ino] = self._clock() + self.ttl
         # A record not acted on (the entry changed meanwhile) stays for the next decision.
-        await self._drop_records([r for r in used if r.key in acted])
+        await self.drop_records([r for r in used if r.key in acted])
         return True
 
     def _holds_copy(self, row: Row) -> bool:

@@ -963,8 +963,7 @@ class Uploader:
                     f"node {record.by}" if record is not None and record.by
                     else "another node")
         if record is not None:
-            await self.journal.make_durable_async()
-            await self.peers.drop([record])
+            await self.lister.drop_records([record])
         return True
 
     async def _supersede(self, key: str) -> None:
