@@ -211,6 +211,10 @@ class Staging:
     def path(self, ino: int) -> Path:
         return self.data_dir / str(ino)
 
+    def _file(self, ino: int) -> str:
+        """``path`` as a string, for the per-create calls (no ``Path`` object each time)."""
+        return os.path.join(self._data_str, str(ino))
+
     def exists(self, ino: int) -> bool:
         return self.path(ino).exists()
 
@@ -221,7 +225,7 @@ class Staging:
         data = self._open.get(ino)
         if data is not None:
             return os.fstat(data.fd)
-        return os.stat(os.path.join(self._data_str, str(ino)))
+        return os.stat(self._file(ino))
 
     def acquire(self, ino: int) -> int:
         """A file descriptor for ``ino``'s data, created empty if missing. Pair with release."""
@@ -250,8 +254,7 @@ class Staging:
     def acquire_new(self, ino: int) -> int:
         """``create_empty`` and ``acquire`` in one open (a create's: half its opens)."""
         assert ino not in self._open, f"inode {ino} is new: nobody holds its data file"
-        fd = os.open(os.path.join(self._data_str, str(ino)),  # no Path: once per create
-                     os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(self._file(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         self._open[ino] = _OpenData(fd, 1)
         return fd
 
