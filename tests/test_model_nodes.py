@@ -293,6 +293,19 @@ LINKED_MARKER_AFTER_POWER_LOSS = (2, [
     *[Op("write", 0, "step1/a")] * 16, Op("rmtree", 0, "step1"),
     Op("write", 0, "step2.tmp/.metadata"), Op("pause", 0, n=1), Op("power", 0)])
 
+# Three nodes: node 2 renamed node 0's directory, then exchanged a file of it (both names are
+# made local first) while its own sweep moved that file to the new key and deleted the old
+# one: the fetch, waiting for its turn, read the old key and failed (EIO). A read follows the
+# row to where this node moved it.
+EXCHANGE_DURING_OWN_SWEEP = (3, [
+    Op("kill", 1, n=2), Op("write", 0, "step1.tmp/a"), Op("write", 2, "step2/a"),
+    Op("unlink", 0, "step2/a"), Op("write", 0, "step2/b"), Op("rename", 0, "step2", "step2.old"),
+    Op("link", 2, "step1.tmp/a", "step1.tmp/l1"), Op("skew", 1, n=-90),
+    Op("rename", 2, "step2.old", "step2.old.old"), Op("power", 0, n=30),
+    Op("write", 1, "step1/m/a"), Op("plan", 0, "step2"), Op("sync", 1),
+    Op("write", 1, "step1.tmp/b"), Op("plan", 0, "step2", n=1), Op("rmtree", 2, "step1"),
+    Op("exchange", 2, "step1.tmp/b", "step2.old.old/b")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -325,7 +338,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "sweeps-and-markers-on-two-nodes": SWEEPS_AND_MARKERS_ON_TWO_NODES,
          "linked-marker-rewritten": LINKED_MARKER_REWRITTEN,
          "linked-file-after-power-loss": LINKED_FILE_AFTER_POWER_LOSS,
-         "linked-marker-after-power-loss": LINKED_MARKER_AFTER_POWER_LOSS}
+         "linked-marker-after-power-loss": LINKED_MARKER_AFTER_POWER_LOSS,
+         "exchange-during-own-sweep": EXCHANGE_DURING_OWN_SWEEP}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

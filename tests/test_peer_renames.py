@@ -16,7 +16,8 @@ from ckptfs.cluster.peers import mailbox_of
 from ckptfs.engine.fs import Filesystem
 from ckptfs.errors import NotFound
 from ckptfs.state.journal import ROOT_INODE
-from ckptfs.store.tiers.memory import store_named
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
 from tests.cluster import Node, make_tier, run_node
 
 
@@ -252,3 +253,47 @@ async def _rmtree(node: Node, path: str) -> None:
         assert child.name is not None
         await node.fs.unlink(directory, child.name)
     await node.fs.rmdir(ROOT_INODE, path.encode())
+
+
+class _ReadsAfterDeletes(FaultyTier):
+    """Holds a read of ``held`` until that key has been deleted: the read reaches the store
+    after this node's sweep carried the file away and retired the old key."""
+
+    def __init__(self, store: str, held: str) -> None:
+        super().__init__(MemoryTier("warm", f"memory://{store}", store))
+        self.held = held
+        self.deleted = trio.Event()
+
+    async def read_into(self, key: str, offset: int, length: int, fd: int,
+                        fd_offset: int) -> int:
+        if key == self.held:
+            await self.deleted.wait()
+        return await super().read_into(key, offset, length, fd, fd_offset)
+
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
+        await super().delete(key, if_etag=if_etag)
+        if key == self.held:
+            self.deleted.set()
+
+
+async def test_a_read_follows_the_sweep_that_moved_its_file_meanwhile(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """A reads B's shard under the directory it has just renamed, while its own sweep moves
+    the shard to the new key and deletes the old one: the read goes to the new key (it
+    failed with EIO, the old key gone; found by the model checker with an exchange, which
+    makes both files local first)."""
+    tier = _ReadsAfterDeletes(store, "step_1.tmp/shard_1")
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store, tier=tier))
+        b = await nursery.start(run_node, tmp_path / "b", store)
+        await b.write("step_1.tmp/shard_1", b"b" * 1000)
+        await b.uploader.wait_idle()
+        await trio.sleep(10)  # past the listing ttl
+        await list_all(a.fs)
+        await a.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+        assert await read(a.fs, "step_1/shard_1") == b"b" * 1000
+        assert tier.deleted.is_set()
+        await a.uploader.wait_idle()
+        assert data_keys(store) == {"step_1/", "step_1/shard_1"}
+        await a.stop()
+        await b.stop()

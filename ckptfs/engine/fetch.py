@@ -481,23 +481,32 @@ class Fetcher:
 
     async def _read_any(self, row: Row, key: str, start: int, length: int,
                         fd: int) -> tuple[str, int]:
-        """``_read`` from ``key``, or, if that object is gone, from another key holding the
-        same bytes (``other_copies``); the key read and the bytes read."""
-        try:
-            return key, await self._read(key, start, length, fd, quiet=True)
-        except ObjectGone:
-            for other in self._other_copies(row) if self._other_copies else []:
-                if other == key:
-                    continue
-                try:
-                    got = await self._read(other, start, length, fd, quiet=True)
-                except ObjectGone:
-                    continue
-                log.info("%s is gone from %s: read from %s, another name of it", key,
-                         self.tier.url, other)
-                return other, got
-            self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
-            raise
+        """``_read`` from ``key``, or, if that object is gone, from where the file moved
+        meanwhile or another key holding the same bytes (``other_copies``); the key read and
+        the bytes read."""
+        while True:
+            try:
+                return key, await self._read(key, start, length, fd, quiet=True)
+            except ObjectGone as exc:
+                if row.remote_key is None or row.remote_key == key:
+                    gone = exc
+                    break
+                # This node carried the file to its new key while the read waited (a
+                # directory rename's sweep: copy, the row takes the new key, then the old
+                # one goes): the same version is there.
+                key = row.remote_key
+        for other in self._other_copies(row) if self._other_copies else []:
+            if other == key:
+                continue
+            try:
+                got = await self._read(other, start, length, fd, quiet=True)
+            except ObjectGone:
+                continue
+            log.info("%s is gone from %s: read from %s, another name of it", key,
+                     self.tier.url, other)
+            return other, got
+        self._error(f"{key}: deleted from {self.tier.url} behind ckptfs")
+        raise gone
 
     async def _read(self, key: str, start: int, length: int, fd: int,
                     quiet: bool = False) -> int:
