@@ -306,6 +306,16 @@ EXCHANGE_DURING_OWN_SWEEP = (3, [
     Op("write", 1, "step1.tmp/b"), Op("plan", 0, "step2", n=1), Op("rmtree", 2, "step1"),
     Op("exchange", 2, "step1.tmp/b", "step2.old.old/b")])
 
+# One node: a linked file's head uploading into step1/m/ when rm -r removed it; its last name
+# `l1` is outside, so the head moves there from its copy in m/. The move waited for m/'s
+# sweep, numbered after the `.metadata` closed before the removal, and that marker did not
+# wait for moves that wait for a sweep: it reached the store before `l1`. A move out of a
+# removed directory does not wait for its sweep (which spares the keys this node holds).
+LINKED_HEAD_REMOVED_WITH_ITS_DIRECTORY = (2, [
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/m/a"), Op("link", 0, "step1/m/a", "step1/l1"),
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
+    Op("write", 0, "step1/.metadata"), Op("rmtree", 0, "step1/m")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -339,7 +349,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "linked-marker-rewritten": LINKED_MARKER_REWRITTEN,
          "linked-file-after-power-loss": LINKED_FILE_AFTER_POWER_LOSS,
          "linked-marker-after-power-loss": LINKED_MARKER_AFTER_POWER_LOSS,
-         "exchange-during-own-sweep": EXCHANGE_DURING_OWN_SWEEP}
+         "exchange-during-own-sweep": EXCHANGE_DURING_OWN_SWEEP,
+         "linked-head-removed-with-its-directory": LINKED_HEAD_REMOVED_WITH_ITS_DIRECTORY}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -653,10 +653,10 @@ class Uploader:
         upload = row.state in (State.STAGED, State.UPLOADING) and not row.incomplete
         if not move and not upload:
             return key, None, False
-        if self._swept_later(key) or (move and self._swept_later(row.remote_key)):
-            # Into or out of a directory renamed or removed whose sweep has not run yet: the
-            # sweep moves it (``_sweep``), and nothing new goes under the old name before the
-            # sweep has carried (or deleted) what other nodes closed there before.
+        if self._swept_later(key) or self._moves_out_later(row, key):
+            # Into a directory renamed or removed, or out of one renamed, whose sweep has not
+            # run yet: the sweep moves it (``_sweep``), and nothing new goes under the old
+            # name before the sweep has carried (or deleted) what other nodes closed there.
             return None
         blocker, cycle = self.keys.blocker(row, key)
         if blocker is not None and not cycle:
@@ -712,10 +712,20 @@ class Uploader:
         return any(p is not None and (p.startswith(directory) or directory.startswith(p))
                    for p in prefixes)
 
-    def _swept_later(self, key: str | None) -> bool:
-        """Whether ``key`` is under a directory renamed or removed here whose sweep has not
-        run yet."""
-        return key is not None and any(key.startswith(old) for old in self._sweeping.values())
+    def _swept_later(self, key: str | None, *, renamed: bool = False) -> bool:
+        """Whether ``key`` is under a directory renamed or removed here (``renamed``: renamed)
+        whose sweep has not run yet."""
+        return key is not None and any(
+            key.startswith(old) for sweep_id, old in self._sweeping.items()
+            if not renamed or self._sweep_to.get(sweep_id) is not None)
+
+    def _moves_out_later(self, row: Row, key: str | None) -> bool:
+        """Whether ``row``'s move to ``key`` is out of a directory renamed here whose sweep has
+        not run yet: the sweep carries what is under it first. Out of a directory *removed*
+        the move need not wait: the sweep spares every key a row of this node holds, and a
+        commit marker closed before the removal must be able to wait for the move (a linked
+        file's last name outside the directory, its copy still inside it)."""
+        return self.keys.is_move(row, key) and self._swept_later(row.remote_key, renamed=True)
 
     def _waits_for_sweep(self, ino: int) -> bool:
         """Whether the item of ``ino`` waits for a sweep (``_plan``)."""
@@ -726,8 +736,7 @@ class Uploader:
         except NotFound:
             return False
         key = self.keys.key_of(row)
-        return self._swept_later(key) or (
-            self.keys.is_move(row, key) and self._swept_later(row.remote_key))
+        return self._swept_later(key) or self._moves_out_later(row, key)
 
     def _queue_sweeps(self) -> None:
         for sweep_id in self.journal.sweeps():
