@@ -316,6 +316,15 @@ LINKED_HEAD_REMOVED_WITH_ITS_DIRECTORY = (2, [
     Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
     Op("write", 0, "step1/.metadata"), Op("rmtree", 0, "step1/m")])
 
+# Node 1 links node 0's step1/m/a as l1; node 0 removes step1/m and writes step1/m/a again.
+# Node 1 saw only the new version at m/a (a linked name never took another node's version:
+# local wins) and showed the old bytes there for good. A linked name whose own version
+# another node replaced goes alone, as for a deletion, and shows the new version.
+LINKED_NAME_REPLACED_BY_ANOTHER_NODE = (2, [
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/m/a"), Op("link", 1, "step1/m/a", "step1/l1"),
+    *[Op("write", 0, "step1/a")] * 4, Op("rmtree", 0, "step1/m"),
+    *[Op("write", 0, "step1/a")] * 11, Op("write", 0, "step1/m/a")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -350,7 +359,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "linked-file-after-power-loss": LINKED_FILE_AFTER_POWER_LOSS,
          "linked-marker-after-power-loss": LINKED_MARKER_AFTER_POWER_LOSS,
          "exchange-during-own-sweep": EXCHANGE_DURING_OWN_SWEEP,
-         "linked-head-removed-with-its-directory": LINKED_HEAD_REMOVED_WITH_ITS_DIRECTORY}
+         "linked-head-removed-with-its-directory": LINKED_HEAD_REMOVED_WITH_ITS_DIRECTORY,
+         "linked-name-replaced-by-another-node": LINKED_NAME_REPLACED_BY_ANOTHER_NODE}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -297,3 +297,33 @@ async def test_a_read_follows_the_sweep_that_moved_its_file_meanwhile(
         assert data_keys(store) == {"step_1/", "step_1/shard_1"}
         await a.stop()
         await b.stop()
+
+
+async def test_a_linked_name_another_node_rewrote_shows_its_new_version(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """B links A's file ``d/f`` as ``d/g``; A writes ``d/f`` again. B's ``d/f`` shows A's new
+    version and ``d/g`` keeps the bytes it linked (its own object). Before, B's ``d/f`` kept
+    the old bytes for good: a name of a linked file never took another node's version
+    (found by the model checker)."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(run_node, tmp_path / "b", store)
+        await a.write("d/f", b"old" * 100)
+        await a.uploader.wait_idle()
+        await trio.sleep(10)  # past the listing ttl
+        await list_all(b.fs)
+        await b.coordinator.enlist()
+        await b.fs.link(await ino_of(b.fs, "d/f"), await ino_of(b.fs, "d"), b"g")
+        await b.uploader.wait_idle()
+        await a.write("d/f", b"new" * 50)
+        await a.uploader.wait_idle()
+        for _ in range(2):
+            await trio.sleep(10)
+            await list_all(b.fs)
+            await b.uploader.wait_idle()
+        assert await read(b.fs, "d/f") == b"new" * 50
+        assert await read(b.fs, "d/g") == b"old" * 100
+        assert data_keys(store) == {"d/", "d/f", "d/g"}
+        assert (await ino_of(b.fs, "d/f")) != (await ino_of(b.fs, "d/g"))
+        await a.stop()
+        await b.stop()

@@ -19,7 +19,9 @@ object: state REMOTE or COMMITTED at the same key, not open for writing):
   deletes local data the store does not hold on the strength of a missing key alone.
 - a name of a hard-linked file is decided the same way for itself alone: a name whose
   object another node deleted (or renamed) goes, and the inode lives on under its other
-  names (namespace.py ``remove_name``; reads then fetch from their objects).
+  names (namespace.py ``remove_name``; reads then fetch from their objects). A name whose
+  committed version another node replaced goes the same way and comes back as that node's
+  file (another inode): its new bytes are not the other names'.
 
 Everything that is not clean (written here and not committed yet, being renamed, open for
 writing) wins over the store: local changes are never undone by a listing.
@@ -465,6 +467,15 @@ class Lister:
                     self._maybe_update(existing, info)
                 elif self._clean(existing, info.key) and is_special(existing.mode):
                     self._maybe_update_special(existing, info)
+                elif self._replaced_link(existing, info):
+                    # Its version is gone from the store, as if deleted: the name goes alone
+                    # (the file lives on under its other names), and comes back as the other
+                    # node's file.
+                    log.info("%s: another node wrote a new version over this name of a "
+                             "hard-linked file; the name now shows it (%d bytes)", info.key,
+                             info.size)
+                    if self._remove(directory, name, existing):
+                        self._insert(directory, name, info, started)
                 elif self._forgotten_link(existing, info):
                     log.warning("%s: its bytes were lost here with a commit the journal forgot; "
                                 "this node's later version in the store is taken (%d bytes)",
@@ -576,7 +587,8 @@ class Lister:
             return self._clean(row, info.key)
         changed = info.etag is None or info.etag != row.remote_etag
         return (self._clean(row, info.key) and changed or self._recoverable(row, None)
-                or changed and self._forgotten_link(row, None))
+                or changed and (self._forgotten_link(row, None)
+                                or self._replaced_link(row, None)))
 
     async def _head_all(self, infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
         found: dict[str, ObjectInfo] = {}
@@ -603,8 +615,8 @@ class Lister:
     def _clean(self, row: Row, key: str) -> bool:
         """Whether the row is just a view of the remote object at ``key`` (safe to update).
         A name of a hard-linked file never is: its bytes are shared with its other names,
-        so a new version of one object does not decide them (local wins: a limit,
-        docs/DESIGN.md, "Hard links"); only the removal of a name is taken (``_settled``)."""
+        so a new version of one object does not decide them; the removal of a name is taken
+        (``_settled``), and a replaced version as a removal (``_replaced_link``)."""
         return self._settled(row, key) and not self.ns.is_linked(row)
 
     def _settled(self, row: Row, key: str) -> bool:
@@ -732,6 +744,23 @@ class Lister:
         return (row.incomplete and stat.S_ISREG(row.mode) and not self._is_busy(row.ino)
                 and (info is None or (info.meta_known and info.meta.kind is Kind.FILE
                                       and self.peers.own(info.meta.stamp))))
+
+    def _replaced_link(self, row: Row, info: ObjectInfo | None) -> bool:
+        """Whether ``row``, a name of a hard-linked file settled at its key (its committed
+        object is the one there, nothing on its way), finds there another node's new version
+        (``info``, its metadata read; None: not read yet). That node replaced the version
+        this name stands for, which is then gone from the store as if deleted: the name
+        goes alone, as for a deletion (``_remove``), and shows the new version. The bytes
+        of the other names are not the other node's to change (local wins for them)."""
+        if not (stat.S_ISREG(row.mode) and self.ns.is_linked(row)
+                and row.remote_key is not None and self._settled(row, row.remote_key)):
+            return False
+        if info is None:
+            return True
+        return info.meta_known and info.meta.kind is Kind.FILE and \
+            info.key == row.remote_key and info.etag != row.remote_etag and \
+            info.meta.stamp is not None and info.meta.stamp != row.stamp and \
+            self.peers.foreign(info.meta.stamp)
 
     def _forgotten_link(self, row: Row, info: ObjectInfo | None) -> bool:
         """Whether ``row``, a name of a hard-linked file whose bytes this node no longer has
