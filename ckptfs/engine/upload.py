@@ -51,11 +51,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import itertools
 import logging
 import math
 import os
 import random
+import re
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -181,7 +183,18 @@ def _signature(info: ObjectInfo) -> str:
 
 
 def is_marker(name: str, patterns: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    """Whether the file name ``name`` matches one of the glob ``patterns`` (fnmatchcase)."""
+    matcher = _markers_matcher(tuple(patterns))
+    return matcher is not None and matcher(name) is not None
+
+
+@functools.lru_cache(maxsize=16)
+def _markers_matcher(patterns: tuple[str, ...]) -> Callable[[str], object] | None:
+    """One compiled expression for all of ``patterns``: every close asks for its names, and
+    a loop of ``fnmatchcase`` over the patterns cost more than the rest of the question."""
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
 
 
 class Uploader:
@@ -218,6 +231,9 @@ class Uploader:
         # Wake-ups: waiters take the current event, check the state, then wait on it; a change
         # sets it and installs a fresh one. No lock needed: trio switches only at awaits.
         self._changed = trio.Event()
+        # Set at each file uploaded (``wait_uploaded``): the retention task waits on it, not
+        # on ``_changed``, which every close of a create burst sets.
+        self._uploaded = trio.Event()
         self.stats = UploadStats()
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
@@ -501,6 +517,11 @@ class Uploader:
     async def wait_progress(self) -> None:
         """Return after the next item finishes (a writer waiting for space tries again)."""
         await self._changed.wait()
+
+    async def wait_uploaded(self, seen: int) -> None:
+        """Return once more than ``seen`` files were uploaded (``stats.uploaded_files``)."""
+        while self.stats.uploaded_files <= seen:
+            await self._uploaded.wait()
 
     async def wait_idle(self) -> None:
         """Return once nothing at all is left to do (items queued meanwhile included)."""
@@ -1062,6 +1083,8 @@ class Uploader:
         checksum, sums = summed[0]
         blocks = sums.encode()
         self.stats.uploaded_files += 1
+        self._uploaded.set()
+        self._uploaded = trio.Event()
         self.stats.uploaded_bytes += size
         self.stats.recent.append((time.monotonic(), size))
         del self.stats.recent[:-256]

@@ -114,8 +114,11 @@ class FuseOps(pyfuse3.Operations):
         if self.on_init is not None:
             self.on_init()
 
-    def _entry(self, row: Row) -> pyfuse3.EntryAttributes:
-        self.passthrough.refresh(row.ino)  # the kernel must not learn an old size
+    def _entry(self, row: Row, fresh: bool = False) -> pyfuse3.EntryAttributes:
+        """``row``'s attributes for the kernel; ``fresh``: nothing can have written the file
+        since the daemon last saw it (a create's reply: its backing file was just opened)."""
+        if not fresh:
+            self.passthrough.refresh(row.ino)  # the kernel must not learn an old size
         return entry_attributes(row, self.attr_timeout, self.fs.ns.nlink(row))
 
     @_translate_errors
@@ -193,7 +196,8 @@ class FuseOps(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[Any, Any]:
         fh, row = self.fs.create(parent_inode, name, mode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, **self._opened(fh, row.ino, flags)), self._entry(row)
+        return pyfuse3.FileInfo(fh=fh, **self._opened(fh, row.ino, flags)), \
+            self._entry(row, fresh=True)
 
     def _opened(self, fh: int, ino: int, flags: int) -> dict[str, Any]:
         try:

@@ -1310,8 +1310,7 @@ class Retention:
         next_interval = trio.current_time() + interval
         while True:
             with trio.move_on_at(next_interval):
-                while uploader.stats.uploaded_files == seen:
-                    await uploader.wait_progress()
+                await uploader.wait_uploaded(seen)
                 await uploader.wait_idle()
             seen = uploader.stats.uploaded_files
             due = trio.current_time() >= next_interval
