@@ -180,6 +180,65 @@ async def test_replay_marks_open_files_incomplete_and_keeps_closed(tmp_path: Pat
         close_fs(fs2)
 
 
+async def test_the_close_commits_the_file_staged_and_its_release_writes_nothing(
+        fs: Filesystem) -> None:
+    """The last writer's close(2) (FLUSH) records the file staged in the journal: what a
+    crash before its RELEASE replays it to. It stays OPEN in memory until the RELEASE
+    (nothing uploads it before), which then has nothing to write: one commit per closed
+    file, not two."""
+    fh, row = fs.create(ROOT, b"a", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
+    await fs.write(fh, 0, b"x" * 1024)
+    fs.flush(fh)
+    assert row.state is State.OPEN and row.closed_at is not None
+    held = fs.journal.get(row.ino)
+    assert held is not None and held.state is State.STAGED and held.size == 1024
+    assert held.closed_at == row.closed_at
+    # The state queries (status, sync) see it open, as the daemon holds it.
+    assert [r.ino for r in fs.journal.rows_in_states(State.OPEN)] == [row.ino]
+    assert fs.journal.rows_in_states(State.STAGED, State.UPLOADING) == []
+    assert fs.journal.linked_totals(State.STAGED, State.UPLOADING) == (0, 0)
+    assert fs.journal.linked_totals(State.OPEN) == (1, 1024)
+    changes = fs.journal.total_changes
+    fs.release(fh)
+    assert row.state is State.STAGED and row.closed_at == held.closed_at
+    assert fs.journal.total_changes == changes
+    assert [r.ino for r in fs.journal.rows_in_states(State.STAGED)] == [row.ino]
+    assert fs.journal.rows_in_states(State.OPEN) == []
+    assert fs.journal.linked_totals(State.STAGED, State.UPLOADING) == (1, 1024)
+
+
+@pytest.mark.parametrize("then", ["nothing", "a write", "bytes the daemon did not see"])
+async def test_a_crash_between_the_close_and_its_release(tmp_path: Path, then: str) -> None:
+    """Killed after close(2) returned, before RELEASE: the file comes back staged, unless it
+    was written after that close (through a descriptor dup'ed before it: recorded by the
+    daemon's write, or only in the data file, as a passthrough write the daemon had not seen
+    yet), which makes it a file never closed: incomplete."""
+    root = tmp_path / "staging"
+    fs = open_fs(root)
+    fh, row = fs.create(ROOT, b"a", 0o644, os.O_RDWR | os.O_CREAT, ROOT_CALLER)
+    await fs.write(fh, 0, b"x" * 1000)
+    fs.flush(fh)
+    if then == "a write":
+        await fs.write(fh, 1000, b"y" * 10)
+    elif then == "bytes the daemon did not see":
+        fd = os.open(fs.staging.path(row.ino), os.O_WRONLY | os.O_APPEND)
+        os.write(fd, b"z" * 10)
+        os.close(fd)
+    fs.journal.close()  # the daemon dies: no RELEASE
+    fs.staging.close()
+    fs2 = open_fs(root)
+    try:
+        back = fs2.getattr(row.ino)
+        if then == "nothing":
+            assert back.state is State.STAGED and not back.incomplete and back.size == 1000
+            assert [r.ino for r in fs2.journal.rows_in_states(State.STAGED)] == [row.ino]
+        else:
+            assert back.incomplete and back.size == 1010
+        assert (await read_file(fs2, row.ino))[:1000] == b"x" * 1000
+    finally:
+        close_fs(fs2)
+
+
 async def test_stray_staging_files_are_reported_not_deleted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -298,6 +298,11 @@ class Filesystem:
                 if actual is None or actual < row.size:
                     # A power loss took its tail: an upload would fail at every attempt.
                     self._mark_incomplete(row, "its data is shorter than its close recorded")
+                elif actual > row.size:
+                    # Written after its close (a descriptor dup'ed before it, its journal
+                    # record not made yet), or a power loss kept a later write and lost the
+                    # journal's record of it: not the file that was closed.
+                    self._mark_incomplete(row, "its data is longer than its close recorded")
                 elif row.state is State.UPLOADING:
                     row.state = State.STAGED
                     self.journal.update(row)
@@ -978,7 +983,9 @@ class Filesystem:
             self._writers[row.ino] = left
             return
         del self._writers[row.ino]
-        self._mark_staged(row)
+        # Closed when its last writer's close(2) returned (``flush``: the journal holds it
+        # staged since), unless a write came after that close.
+        self._mark_staged(row, closed_at=row.closed_at)
         self.ns.persist(row)
 
     def _modify_data(self, row: Row) -> None:
@@ -994,17 +1001,17 @@ class Filesystem:
             name.tiers = ""
             name.committed_at = None
 
-    def _mark_staged(self, row: Row) -> None:
-        """Closed: every name ready for upload (the caller persists the row before its next
-        await)."""
+    def _mark_staged(self, row: Row, closed_at: float | None = None) -> None:
+        """Closed (at ``closed_at``, else now): every name ready for upload (the caller
+        persists the row before its next await)."""
         for name in self._names(row):
-            self._stage(name)
+            self._stage(name, closed_at)
 
-    def _stage(self, row: Row) -> None:
+    def _stage(self, row: Row, closed_at: float | None = None) -> None:
         """One name row ready for upload."""
         row.state = State.STAGED
         row.incomplete = False
-        row.closed_at = time.time()
+        row.closed_at = closed_at if closed_at is not None else time.time()
         self.listener.inode_changed(row.ino)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -1511,7 +1518,7 @@ class Filesystem:
             now = time.time()
             for name in names:
                 name.closed_at = now
-            self.ns.persist(row)
+            self.ns.persist_closed(row)  # staged in the journal: RELEASE writes nothing
             # close(2) returns now; RELEASE (which stages the file) may come later. The file
             # takes its place in the upload order here, so that a marker closed after this
             # returns, on any node, waits for it.

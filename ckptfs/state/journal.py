@@ -11,7 +11,10 @@ File states (their user-facing meaning: docs/SEMANTICS.md)::
       ^ open for write (a new version) from any state; the old upload is cancelled
 
 A file whose writer never closed it (the daemon died) keeps ``state = OPEN`` and gets
-``incomplete = 1`` at replay: it is never published.
+``incomplete = 1`` at replay: it is never published. *close* is its last writer's close(2)
+(the kernel's FLUSH): the row is committed STAGED then, what a crash replays it to, though
+the file stays open until the kernel's RELEASE (``mark_open``: the state queries report it
+OPEN until then, as the daemon holds it).
 
 Invariants:
 - Only the trio thread touches the connection (sqlite3's default same-thread check enforces it).
@@ -220,6 +223,8 @@ class Journal:
         # Column values this connection last wrote per inode (``update`` writes only what
         # differs).
         self._written: dict[int, tuple[object, ...]] = {}
+        # Rows committed closed whose files are still open here (``mark_open``).
+        self._open_here: set[int] = set()
         self._background_checkpoints = False  # checkpoint_in_background was called
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
@@ -469,10 +474,19 @@ class Journal:
         self._remember(row.ino, values)
         return row
 
+    def mark_open(self, inos: list[int]) -> None:
+        """The rows ``inos``, just committed STAGED at their last writer's close(2), stay open
+        here until the kernel's RELEASE: until the next ``update`` of each, the state
+        queries (``rows_in_states``, ``linked_totals``) report them OPEN, as the daemon
+        holds them (``sync`` does not wait for them, ``status`` lists them open). ``get``
+        returns what is committed."""
+        self._open_here.update(inos)
+
     def update(self, row: Row) -> None:
         """Write ``row``: only the columns that differ from what this connection last wrote
         for it (an UPDATE of every column rewrites every index entry: ~5x the cost of a size
         and mtime), nothing if none does, every column if it wrote nothing for it yet."""
+        self._open_here.discard(row.ino)
         values = _values(row)
         last = self._written.get(row.ino)
         if last is None:
@@ -496,6 +510,7 @@ class Journal:
         self._written[ino] = values
 
     def delete(self, ino: int) -> None:
+        self._open_here.discard(ino)
         self._db.execute("DELETE FROM inodes WHERE ino = ?", (ino,))
         self._written.pop(ino, None)
 
@@ -573,6 +588,16 @@ class Journal:
             f"SELECT count(*), coalesce(sum(size), 0) FROM inodes "
             f"WHERE state IN ({marks}) AND parent IS NOT NULL", tuple(s.value for s in states),
         ).fetchone()
+        if self._open_here:
+            # Committed closed but open here (``mark_open``): counted as OPEN. Few: the
+            # files between their close(2) and their RELEASE.
+            marks = ", ".join("?" * len(self._open_here))
+            for state, found in self._db.execute(
+                    f"SELECT state, size FROM inodes WHERE ino IN ({marks}) "
+                    "AND parent IS NOT NULL", tuple(self._open_here)).fetchall():
+                moved = (State.OPEN in states) - (State(state) in states)
+                count += moved
+                size += moved * found
         return int(count), int(size)
 
     def incomplete_versions(self) -> set[tuple[int, str]]:
@@ -588,15 +613,25 @@ class Journal:
         return found
 
     def rows_in_states(self, *states: State) -> list[Row]:
-        marks = ", ".join("?" * len(states))
-        return [
+        """The regular files in ``states`` (those of ``mark_open`` as OPEN)."""
+        asked = set(states)
+        if self._open_here and State.OPEN in asked:
+            asked.add(State.STAGED)
+        marks = ", ".join("?" * len(asked))
+        rows = [
             _row(r)
             for r in self._db.execute(
                 _SELECT + f" WHERE state IN ({marks}) AND (mode & 61440) = 32768 ORDER BY"
                 " committed_at, closed_at, ino",
-                tuple(s.value for s in states),
+                tuple(s.value for s in asked),
             )
         ]
+        if not self._open_here:
+            return rows
+        for row in rows:
+            if row.ino in self._open_here:
+                row.state = State.OPEN
+        return [row for row in rows if row.state in states]
 
     def linked_rows(self) -> list[Row]:
         """Every inode in the tree but the root (files, directories, symlinks, special

@@ -229,6 +229,22 @@ class Namespace:
             self.journal.update(row)
         self._dirty.discard(row.ino)
 
+    def persist_closed(self, row: Row) -> None:
+        """Write ``row``, an OPEN file whose last writer's close(2) is returning (FLUSH), as
+        the journal holds a closed file: STAGED, while it stays OPEN here until its RELEASE
+        (nothing uploads it before). A crash in between replays it staged, as the release
+        would have left it, so the release has nothing left to write: one commit per closed
+        file, not two."""
+        names = [row, *self.aliases(row.ino)] if row.ino in self._linked else [row]
+        for name in names:
+            name.state = State.STAGED
+        try:
+            self.persist(row)
+        finally:
+            for name in names:
+                name.state = State.OPEN
+        self.journal.mark_open([name.ino for name in names])
+
     def note_write(self, row: Row, end: int) -> None:
         """A write() ended at byte ``end``: update size and mtime in memory only."""
         row.size = max(row.size, end)
