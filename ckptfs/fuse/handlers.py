@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from ckptfs.engine.fs import Caller, Filesystem
-from ckptfs.errors import FsError, errno_for
+from ckptfs.errors import FsError, NotFound, errno_for
 from ckptfs.fuse.passthrough import PassthroughFiles, negotiated_backend
 from ckptfs.state.journal import ROOT_INODE, Row
 
@@ -47,6 +47,9 @@ def _translate_errors(fn: F) -> F:
             return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
+        except NotFound:
+            # The usual error (a create's lookup of its new name): no table to search.
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
         except Exception as exc:
             code = errno_for(exc)
             if code is None:
