@@ -204,6 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--q8-create-rounds", type=int,
                    help="Q8 rounds of the side-by-side creates (ckptfs, staging on the disk "
                         "and on tmpfs, and nullfs), order rotating [5]")
+    p.add_argument("--q8-baseline", type=Path, default=None,
+                   help="Q8 creates: also mount the ckptfs package of this checkout (staging "
+                        "on tmpfs) in the same rounds, e.g. the code before a change")
     p.add_argument("--q8-parts", type=str_list, default=["scale", "creates", "sim"],
                    help="Q8 parts: scale (grow, batch, remount, fsync), creates (side by "
                         "side with nullfs), sim (simulated cluster)")

@@ -31,7 +31,9 @@ Measured from outside the daemon, file store on the local disk (the work dir):
                   mount whose staging is on the VM's disk (the work dir), of one whose
                   staging is on tmpfs (/dev/shm, standing in for NVMe, as Q6 and Q9 do),
                   and in nullfs (questions/nullfs.py, the do-nothing pyfuse3 daemon): the
-                  ratio to nullfs per round, and each daemon's CPU per create. (The VM's disk
+                  ratio to nullfs per round, and each daemon's CPU per create; with
+                  ``--q8-baseline DIR``, another checkout's ckptfs (staging on tmpfs) in the
+                  same rounds, e.g. the code before a change. (The VM's disk
                   is ext4 mounted without a journal: there the kernel's inode allocator skips
                   inodes deleted in the last seconds one by one, ``recently_deleted()``, so a
                   create right after many deletions costs more; a journaled ext4 or XFS on
@@ -218,23 +220,37 @@ def run_nullfs(b: Bench, batch: int) -> dict[str, Any]:
 
 
 CREATE_SIDES = ("ckptfs-disk", "ckptfs-tmpfs", "nullfs")
+BASELINE = "ckptfs-baseline"  # --q8-baseline: another checkout's ckptfs, staging on tmpfs
 
 
-def run_creates(b: Bench, batch: int, rounds: int) -> dict[str, Any]:
+def create_sides(baseline: Path | None) -> tuple[str, ...]:
+    """The sides of the ``creates`` part: with ``--q8-baseline``, another checkout's ckptfs
+    too (staging on tmpfs), e.g. the code before a change, in the same rotating rounds."""
+    return CREATE_SIDES + ((BASELINE,) if baseline is not None else ())
+
+
+def run_creates(b: Bench, batch: int, rounds: int,
+                baseline: Path | None = None) -> dict[str, Any]:
     """The ``creates`` part (module docstring): rows of {round, side, create_per_s,
     cpu_us_per_create}."""
     base = Path(tempfile.mkdtemp(prefix="q8-creates-", dir="/dev/shm"))
     rows: list[dict[str, Any]] = []
+    sides = create_sides(baseline)
     try:
         with ExitStack() as stack:
             mounts = {}
-            for side, where in (("ckptfs-disk", b.dir("q8-creates")), ("ckptfs-tmpfs", base)):
+            for side, where in (("ckptfs-disk", b.dir("q8-creates")), ("ckptfs-tmpfs", base),
+                                (BASELINE, base)):
+                if side not in sides:
+                    continue
                 cfg = ckptfs_config(where / f"{side}-staging", store_dir=b.dir(f"q8-{side}-store"),
                                     extra='log_level = "warning"')
-                mounts[side] = stack.enter_context(common.ckptfs_mount(where, side, cfg))
+                src = baseline.resolve() if side == BASELINE and baseline is not None else None
+                mounts[side] = stack.enter_context(common.ckptfs_mount(where, side, cfg,
+                                                                       src=src))
             null = stack.enter_context(common.nullfs_mount(b.dir("q8-creates-null"), "null"))
             for rnd in range(rounds):
-                order = CREATE_SIDES[rnd % 3:] + CREATE_SIDES[:rnd % 3]
+                order = sides[rnd % len(sides):] + sides[:rnd % len(sides)]
                 for side in order:
                     m = mounts.get(side)
                     if m is not None:
@@ -488,7 +504,8 @@ def run(b: Bench) -> dict[str, Any]:
         res["nullfs"] = run_nullfs(b, o.q8_batch)
         res["ckptfs"] = run_ckptfs(b, counts, o.q8_batch, slice_n, o.q8_fsync_mib)
     if "creates" in parts:
-        res["creates"] = run_creates(b, o.q8_batch, o.q8_create_rounds)
+        res["creates"] = run_creates(b, o.q8_batch, o.q8_create_rounds,
+                                     getattr(o, "q8_baseline", None))
     if "sim" in parts:
         res["sim"] = run_sim(b, o.q8_sim_nodes)
     res["loadavg_end"] = os.getloadavg()
@@ -519,7 +536,9 @@ def summarize(r: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def _create_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
-    by = {side: [x for x in c["rounds"] if x["side"] == side] for side in CREATE_SIDES}
+    sides = CREATE_SIDES + ((BASELINE,) if any(x["side"] == BASELINE for x in c["rounds"])
+                            else ())
+    by = {side: [x for x in c["rounds"] if x["side"] == side] for side in sides}
     null = by["nullfs"]
 
     def medians(rows: list[dict[str, Any]]) -> str:
@@ -527,7 +546,7 @@ def _create_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{statistics.median(x['cpu_us_per_create'] for x in rows):.0f} us")
 
     out = []
-    for side in CREATE_SIDES[:2]:
+    for side in [x for x in sides if x != "nullfs"]:
         ratios = [x["create_per_s"] / n["create_per_s"] for x, n in zip(by[side], null)]
         each = ", ".join(f"{v:.2f}" for v in ratios)
         measure = (f"{c['batch']} creates of 1 KiB, {side} / nullfs (rounds); creates/s, "
@@ -536,6 +555,12 @@ def _create_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
         out.append((measure, value, "≥ 0.5"))
     out.append(("nullfs in the same rounds: creates/s, daemon CPU us per create",
                 medians(null), ""))
+    if BASELINE in by:
+        ratios = [x["create_per_s"] / y["create_per_s"]
+                  for x, y in zip(by["ckptfs-tmpfs"], by[BASELINE])]
+        each = ", ".join(f"{v:.2f}" for v in ratios)
+        measure = "creates/s, ckptfs-tmpfs / ckptfs-baseline (the other checkout, tmpfs; rounds)"
+        out.append((measure, f"**{statistics.median(ratios):.2f}** ({each})", ""))
     return out
 
 
