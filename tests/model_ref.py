@@ -80,6 +80,8 @@ class Reference:
     # When each path got its content (a count of operations): a marker covers a file only
     # while the file has the content it had when the marker was made.
     arrived: dict[str, int] = field(default_factory=dict)
+    # path -> the node that exchanged it there: that node uploads it again from its copy.
+    exchanged: dict[str, int] = field(default_factory=dict)
     clock: int = 0
     closed_at: dict[int, str] = field(default_factory=dict)  # content id -> path at its close
     closed_by: dict[int, int] = field(default_factory=dict)  # content id -> node that closed it
@@ -94,7 +96,7 @@ class Reference:
                        history={k: set(v) for k, v in self.history.items()},
                        markers=dict(self.markers), closed_at=dict(self.closed_at),
                        closed_by=dict(self.closed_by),
-                       arrived=dict(self.arrived))
+                       arrived=dict(self.arrived), exchanged=dict(self.exchanged))
 
     # -- questions ---------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class Reference:
         for name in names:
             self.files[name] = cid
             self.writer[name] = node
+            self.exchanged.pop(name, None)
             self.history.setdefault(name, set()).add(cid)
             self.arrived[name] = self.clock
         if is_marker(path):
@@ -168,6 +171,9 @@ class Reference:
         for p in moves:
             self.writer.pop(p, None)
         links = {moves[p]: self.links.pop(p) for p in list(self.links) if p in moves}
+        exchanged = {moves[p]: self.exchanged.pop(p) for p in list(self.exchanged)
+                     if p in moves}
+        self.exchanged.update(exchanged)
         dirs = {moves[p] for p in self.dirs if p in moves}
         self.dirs -= set(moves)
         self.dirs |= dirs
@@ -186,6 +192,7 @@ class Reference:
     def exchange(self, node: int, a: str, b: str) -> None:
         self.files[a], self.files[b] = self.files[b], self.files[a]
         self.writer[a] = self.writer[b] = node  # it uploads both again
+        self.exchanged[a] = self.exchanged[b] = node
         for p in (a, b):
             self.moved_by[p] = node
             self.history.setdefault(p, set()).add(self.files[p])
@@ -196,6 +203,7 @@ class Reference:
     def _drop(self, path: str, node: int) -> None:
         self.files.pop(path, None)
         self.writer.pop(path, None)
+        self.exchanged.pop(path, None)
         group = self.links.pop(path, None)
         if group is not None and group[0] != node:
             self.unlinked_from.setdefault(group, set()).add((node, path))

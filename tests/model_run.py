@@ -213,15 +213,19 @@ class Runner:
         """A node back from a power loss holds; the operator rewrites on it what it lost (the
         files it closed whose version the store does not have, where they are now: another
         node may have renamed their directory meanwhile; not a name another node linked to
-        such a file, which that node uploads; as the job would, only once what other nodes
+        such a file, nor one another node exchanged, which that node uploads; as the job
+        would, only once what other nodes
         changed of them is in the store and seen here), then forgets its own id there: the
         shards first, then the commit markers, each in the order the job closed them (as
         docs/SEMANTICS.md asks of an operator after a power loss)."""
         for path, cid in sorted(self.ref.files.items(),
                                 key=lambda item: (is_marker(item[0]), item[1])):
             group = self.ref.links.get(path)
-            if self.ref.closed_by.get(cid) != i or (group is not None and group[0] != i):
-                continue  # another node's: a name another node linked is that node's to upload
+            if self.ref.exchanged.get(path, self.ref.closed_by.get(cid)) != i or \
+                    (group is not None and group[0] != i):
+                # Another node's to upload: a name another node linked, or exchanged (that
+                # node uploads both names again from its copies).
+                continue
             if self._holds(path, cid):
                 continue
             # The operator keeps the job's rules too: a file another node changed since (an
