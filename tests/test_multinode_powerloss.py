@@ -23,7 +23,9 @@ from ckptfs.cluster.noderun import HOLD_FILE, RUN_FILE, NodeRun
 from ckptfs.engine.fs import ROOT_CALLER
 from ckptfs.errors import NotFound
 from ckptfs.state.journal import ROOT_INODE
-from ckptfs.store.tiers.memory import store_named
+from ckptfs.store.tiers.base import Finish, ObjectInfo, ObjectMeta, Progress
+from ckptfs.store.tiers.faulty import FaultyTier
+from ckptfs.store.tiers.memory import MemoryTier, store_named
 from tests.cluster import Node, durable_point, make_tier, power_loss, run_node
 from tests.mounting import Mounter, ckptfs
 from tests.mounting import status as mounting_status
@@ -286,5 +288,72 @@ async def test_a_move_the_power_loss_made_the_journal_forget(
             assert not row.incomplete and row.remote_key == "step_1/.metadata"
             assert await read(a.fs, "step_1/.metadata") == (
                 b"new" * 100 if then == "rewritten" else b"s" * 5000)
+        await a.stop()
+        await b.stop()
+
+
+class _Held(FaultyTier):
+    """The tier of a node back from a power loss whose requests about ``key`` wait for
+    ``release``: another node acts on the file in between. Counts the puts to ``key``."""
+
+    def __init__(self, store: str, key: str) -> None:
+        super().__init__(MemoryTier("warm", f"memory://{store}", store))
+        self.key = key
+        self.release = trio.Event()
+        self.puts = 0
+
+    async def head(self, key: str) -> ObjectInfo:
+        if key == self.key:
+            await self.release.wait()
+        return await super().head(key)
+
+    async def put_file(self, key: str, source: Path, size: int, meta: ObjectMeta,
+                       progress: Progress | None = None, *,
+                       finish: Finish | None = None) -> str | None:
+        if key == self.key:
+            await self.release.wait()
+            self.puts += 1
+        return await super().put_file(key, source, size, meta, progress, finish=finish)
+
+
+@pytest.mark.parametrize("then", ["", "rewritten"])
+async def test_an_upload_the_power_loss_made_the_journal_forget(
+    tmp_path: Path, store: str, clock: trio.abc.Clock, then: str
+) -> None:
+    """A's file reached the store and was committed; a power loss rolls A's journal back to
+    before the commit. Before putting it again, A looks at its key: its own object of that
+    version means the upload was done (committed, no second put); B's version there, put
+    after A's start had read its records, with B's record naming A's version (B rewrote the
+    file once A's was in the store), means the file went on A too. Put again, A's old
+    version landed over B's: the store lost B's rewrite."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, node="n-b"))
+        await a.write("step_1/x", b"a" * 5000)
+        durable = durable_point(tmp_path / "a")  # closed, not committed
+        await sync(a)
+        await trio.sleep(60)  # B's listing shows A's file
+        b_step = (await b.fs.lookup(ROOT_INODE, b"step_1")).ino
+        await b.fs.lookup(b_step, b"x")
+        a.kill()
+        await a.stopped.wait()
+        power_loss(tmp_path / "a", durable)
+        held = _Held(store, "step_1/x")
+        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store,
+                                                  boot="boot-2", tier=held))
+        if then:
+            await b.write("step_1/x", b"b" * 300)  # its record of A's version, then its put
+            await sync(b)
+        held.release.set()
+        await a.coordinator.forget(a.name)
+        await sync(a)
+        assert held.puts == 0
+        assert store_named(store)["step_1/x"].body == (b"b" * 300 if then else b"a" * 5000)
+        await trio.sleep(60)
+        step = (await a.fs.lookup(ROOT_INODE, b"step_1")).ino
+        row = await a.fs.lookup(step, b"x")
+        assert not row.incomplete
+        assert row.state.value == ("remote" if then else "committed")
+        assert await read(a.fs, "step_1/x") == (b"b" * 300 if then else b"a" * 5000)
         await a.stop()
         await b.stop()

@@ -344,41 +344,58 @@ class Lister:
         await self.drop_records(done)
         return removed
 
-    async def settle_forgotten(self) -> int:
+    async def settle_forgotten(self) -> None:
         """After a power loss (the journal rolled back to its last durable point): files whose
         upload the journal forgot, and whose version another node deleted, replaced or moved
         since (a record names this node and that version, from an earlier run), go, instead
         of being uploaded again (they would bring back what the job removed). Called once,
-        before the uploader starts; returns how many entries went."""
+        before the uploader starts; a record left later is found at the file's upload
+        (``replaced_since``)."""
         try:
             records = await self.peers.mailbox()
         except (StoreUnavailable, TierError) as exc:
             log.warning("cannot read this node's records (%s): files committed before the "
                         "power loss are uploaded again", exc)
-            return 0
-        # Versions above this were handed out after the roll-back point, to other contents.
-        known = self.journal.current_version()
-        done: list[Record] = []
-        removed = 0
-        for record in records:
-            version = version_of(record.stamp)
-            if record.fate is Verdict.LOST or version is None or version > known:
-                continue
-            row = self.ns.entry_at(record.key)
-            if row is None or row.version != version or row.stamp == record.stamp or \
-                    not stat.S_ISREG(row.mode) or row.incomplete or self._is_busy(row.ino) or \
-                    row.state not in (State.STAGED, State.UPLOADING) or row.parent is None or \
-                    row.name is None or self.ns.is_linked(row):
-                continue
-            with self.journal.transaction():
-                if self._remove(self.ns.get(row.parent), row.name, row):
-                    removed += 1
-                    log.warning("%s: its upload was forgotten by the power loss, and node %s "
-                                "%s that version since: not uploaded again", record.key,
-                                record.by or "?", record.fate.value)
-            done.append(record)
+            return
+        await self.drop_records([record for record in records
+                                 if self._forget_replaced(record)])
+
+    async def replaced_since(self, row: Row, key: str) -> bool:
+        """``settle_forgotten`` for one file, at its upload (upload.py ``_upload_forgotten``:
+        its key holds another node's version): a record another node left since the start
+        names this version at ``key``; then the file went here too (True)."""
+        try:
+            records = await self.peers.mailbox()
+        except (StoreUnavailable, TierError) as exc:
+            log.warning("cannot read this node's records (%s)", exc)
+            return False
+        done = [record for record in records if record.key == key
+                and self.ns.entry_at(key) is row and self._forget_replaced(record)]
         await self.drop_records(done)
-        return removed
+        return bool(done)
+
+    def _forget_replaced(self, record: Record) -> bool:
+        """The file whose upload a power loss made the journal forget goes if ``record``
+        says another node deleted, replaced or moved exactly its version since; whether the
+        record was acted on."""
+        version = version_of(record.stamp)
+        # Versions above current_version were handed out after the roll-back point, to
+        # other contents.
+        if record.fate is Verdict.LOST or version is None or \
+                version > self.journal.current_version():
+            return False
+        row = self.ns.entry_at(record.key)
+        if row is None or row.version != version or row.stamp == record.stamp or \
+                not stat.S_ISREG(row.mode) or row.incomplete or self._is_busy(row.ino) or \
+                row.state not in (State.STAGED, State.UPLOADING) or row.parent is None or \
+                row.name is None or self.ns.is_linked(row):
+            return False
+        with self.journal.transaction():
+            if self._remove(self.ns.get(row.parent), row.name, row):
+                log.warning("%s: its upload was forgotten by the power loss, and node %s "
+                            "%s that version since: not uploaded again", record.key,
+                            record.by or "?", record.fate.value)
+        return True
 
     async def drop_records(self, records: list[Record]) -> None:
         """Delete records acted on, once what they made this node do is durable: a power

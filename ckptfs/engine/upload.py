@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING
 import crc32c
 import trio
 
-from ckptfs.cluster.peers import Peers, Verdict
+from ckptfs.cluster.peers import Peers, Verdict, version_of
 from ckptfs.engine.keys import KeyClaims
 from ckptfs.engine.workqueue import WorkQueue
 from ckptfs.engine.yieldgate import YieldGate
@@ -240,6 +240,8 @@ class Uploader:
         # Back from a power loss: the files whose move to their key the journal holds at
         # start (it may have forgotten that the move was done: ``_move_forgotten``).
         self._forgotten_moves: set[int] = set()
+        # Likewise the files whose upload it holds at start (``_upload_forgotten``).
+        self._forgotten_uploads: set[int] = set()
         # Directories renamed or removed whose sweep has not run yet: id -> old prefix.
         self._sweeping: dict[int, str] = {}
         # ... and its new prefix (None: a removal).
@@ -578,6 +580,9 @@ class Uploader:
             await self.lister.settle_forgotten()
             self._forgotten_moves = {w.key[1] for w in self._pending.values()
                                      if w.key[0] == "ino" and self._is_move(w.key[1])}
+            self._forgotten_uploads = {
+                w.key[1] for w in self._pending.values()
+                if w.key[0] == "ino" and w.key[1] not in self._forgotten_moves}
         keys = set(self._interrupted_keys)
         try:
             removed = await self.tier.cleanup(keys)
@@ -996,6 +1001,63 @@ class Uploader:
             await self.lister.drop_records([record])
         return True
 
+    async def _upload_forgotten(self, row: Row, key: str) -> bool:
+        """Before the first upload of ``row`` at a start after a power loss (the journal may
+        have rolled back to before it was committed), what its key holds decides:
+
+        - this node's own object of this very version (same version number, size and
+          checksum): the upload was done; taken as committed, not put again;
+        - another node's object: if that node replaced this very version since the start,
+          its record says so (a writer records what it replaces before its put:
+          ``_upload``), and the file goes here too (``Lister.replaced_since``), as
+          ``settle_forgotten`` would have had the record been there then. Put again, it
+          would land over that node's newer version.
+
+        True if the row is settled so; False: upload it (nothing there, an older version,
+        or another node's version this one replaces)."""
+        if not stat.S_ISREG(row.mode) or self.ns.is_linked(row) or self.lister is None:
+            return False
+        version = row.version
+        try:
+            info = await self.tier.head(key)
+        except ObjectMissing:
+            return False
+        if info.meta.kind is not Kind.FILE or info.meta.stamp is None:
+            return False
+        if self.peers.foreign(info.meta.stamp):
+            return await self.lister.replaced_since(row, key)
+        if version_of(info.meta.stamp) != version or info.size != row.size or \
+                info.meta.checksum is None:
+            return False
+        checksum, sums = await trio.to_thread.run_sync(
+            file_sums, self.staging.path(row.ino), row.size, self.min_block)
+        if checksum != info.meta.checksum or row.state is not State.STAGED or \
+                row.version != version or self.keys.key_of(row) != key:
+            return False  # other bytes, or the file changed or moved meanwhile
+        log.info("%s: its upload was done before the power loss; taken as committed", key)
+        old_key, old_stamp, old_etag = row.remote_key, row.stamp, row.remote_etag
+        row.remote_key = key
+        self._committed(row, info.etag, info.meta.stamp, checksum, sums.encode())
+        with self.journal.transaction():
+            self.ns.persist(row)
+            if old_key and old_key != key:
+                self._retire(old_key, old_stamp, old_etag)
+        return True
+
+    def _committed(self, row: Row, etag: str | None, stamp: str | None, checksum: str,
+                   blocks: str) -> None:
+        """``row``'s version is the object at its ``remote_key`` (tag ``etag``, writer's
+        ``stamp``): COMMITTED (the caller persists it)."""
+        row.state = State.COMMITTED
+        row.checksum = checksum
+        row.blocks = blocks
+        row.storage_class = None
+        row.remote_etag = etag  # a listing that shows this tag needs no HEAD
+        row.stamp = stamp
+        row.tiers = self.tier.name
+        row.committed_at = time.time()
+        self.journal.note_committed(row.ino)
+
     async def _supersede(self, key: str) -> None:
         """An upload to ``key`` makes pending deletions of ``key`` pointless (and harmful).
         The versions they were to delete are replaced instead: their writers are told first,
@@ -1014,6 +1076,10 @@ class Uploader:
             # loss may still have taken them): a sparse file would upload zeros. Retried.
             raise NotLocal(f"{key}: the bytes of its inode {data} are not on this node")
         version = row.version
+        if row.ino in self._forgotten_uploads:
+            self._forgotten_uploads.discard(row.ino)  # decided once
+            if await self._upload_forgotten(row, key):
+                return
         row.state = State.UPLOADING
         row.uploading_key = key
         self.ns.persist(row)
@@ -1099,15 +1165,7 @@ class Uploader:
         row.remote_key = key
         row.uploading_key = None
         if row.version == version and row.state is State.UPLOADING:
-            row.state = State.COMMITTED
-            row.checksum = checksum
-            row.blocks = blocks
-            row.storage_class = None
-            row.remote_etag = etag  # a listing that shows this tag needs no HEAD
-            row.stamp = stamp
-            row.tiers = self.tier.name
-            row.committed_at = time.time()
-            self.journal.note_committed(row.ino)
+            self._committed(row, etag, stamp, checksum, blocks)
         else:
             # Rewritten while it uploaded: the object is a version no row holds.
             row.stamp, row.remote_etag = stamp, etag
