@@ -340,6 +340,15 @@ OPERATOR_AFTER_AN_EXCHANGE_OF_ITS_FILES = (3, [
     Op("rename", 1, "step1.tmp", "step2"), Op("power", 0, n=2),
     Op("write", 1, "step2/.metadata")])
 
+# Node 1 rewrote node 0's step1/a; node 0 renamed step1 to step2, then unlinked step2/a.
+# Node 0's deletions ran at once (nothing at step2/a yet, its own version at step1/a gone),
+# then node 1's version landed under the old name and the rename's sweep carried it to
+# step2/a: a file the job removed, back for good. A deletion under a directory renamed
+# here before it now waits for that rename's sweep, and takes what the sweep brought.
+REMOVED_AFTER_ITS_DIRECTORYS_RENAME = (2, [
+    Op("write", 0, "step1/a"), Op("write", 1, "step1/a"), Op("rename", 0, "step1", "step2"),
+    Op("unlink", 0, "step2/a")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -376,7 +385,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "exchange-during-own-sweep": EXCHANGE_DURING_OWN_SWEEP,
          "linked-head-removed-with-its-directory": LINKED_HEAD_REMOVED_WITH_ITS_DIRECTORY,
          "linked-name-replaced-by-another-node": LINKED_NAME_REPLACED_BY_ANOTHER_NODE,
-         "operator-after-an-exchange-of-its-files": OPERATOR_AFTER_AN_EXCHANGE_OF_ITS_FILES}
+         "operator-after-an-exchange-of-its-files": OPERATOR_AFTER_AN_EXCHANGE_OF_ITS_FILES,
+         "removed-after-its-directorys-rename": REMOVED_AFTER_ITS_DIRECTORYS_RENAME}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -53,6 +53,17 @@ async def list_all(fs: Filesystem, path: str = "") -> None:
             await list_all(fs, f"{path}/{row.name.decode()}".lstrip("/"))
 
 
+async def settle(*nodes: Node) -> None:
+    """Three rounds of ``ls -R`` on every node past the listing ttl, each node's uploads done
+    after each: what the nodes do about what they see has happened."""
+    for _ in range(3):
+        await trio.sleep(10)
+        for node in nodes:
+            await list_all(node.fs)
+        for node in nodes:
+            await node.uploader.wait_idle()
+
+
 async def read(fs: Filesystem, path: str) -> bytes:
     fh = await fs.open(await ino_of(fs, path), 0)
     try:
@@ -186,12 +197,7 @@ async def test_tmp_dir_commit_right_after_the_barrier_moves_shards_still_uploadi
             while "step_1/.metadata" not in store_named(store):
                 await trio.sleep(0.5)
         assert store_named(store).get("step_1/shard_1") is not None, sorted(data_keys(store))
-        for _ in range(3):
-            await trio.sleep(10)
-            await list_all(a.fs)
-            await list_all(b.fs)
-            await a.uploader.wait_idle()
-            await b.uploader.wait_idle()
+        await settle(a, b)
         assert data_keys(store) == {"step_1/", "step_1/shard_0", "step_1/shard_1",
                                     "step_1/.metadata"}
         await a.stop()
@@ -331,5 +337,34 @@ async def test_a_linked_name_another_node_rewrote_shows_its_new_version(
         assert await read(b.fs, "d/g") == b"old" * 100
         assert data_keys(store) == {"d/", "d/f", "d/g"}
         assert (await ino_of(b.fs, "d/f")) != (await ino_of(b.fs, "d/g"))
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_file_removed_after_its_directorys_rename_takes_a_rewrite_still_uploading(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """B rewrote A's ``step_1/x`` (closed before the job's barrier, still uploading); A
+    renames ``step_1`` to ``step_2`` and removes ``step_2/x``. A's deletions must not run
+    before the rename's sweep has brought B's version: it came back at ``step_2/x`` for good
+    (found by the model checker)."""
+    slow = make_tier(store)
+    slow.bandwidth = 100  # B's 1,000 bytes take 10 s
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, tier=slow))
+        await a.write("step_1/x", b"a" * 500)
+        await a.uploader.wait_idle()
+        await trio.sleep(10)  # past the listing ttl: B sees A's file
+        await list_all(b.fs)
+        await b.write("step_1/x", b"b" * 1000)
+        await a.fs.rename(ROOT_INODE, b"step_1", ROOT_INODE, b"step_2")
+        await a.fs.unlink(await ino_of(a.fs, "step_2"), b"x")
+        await a.uploader.wait_idle()
+        await b.uploader.wait_idle()
+        await settle(a, b)
+        assert data_keys(store) == {"step_2/"}
+        for node in (a, b):
+            with pytest.raises(NotFound):
+                await ino_of(node.fs, "step_2/x")
         await a.stop()
         await b.stop()

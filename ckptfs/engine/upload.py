@@ -654,7 +654,10 @@ class Uploader:
         2); None while it must wait for another file to move away from its key (rule 1),
         which it notes in ``waits``."""
         if work.key[0] == "tomb":
-            return self.journal.tombstone_key(work.key[1]), None, False
+            key = self.journal.tombstone_key(work.key[1])
+            if key is not None and self._carried_later(key, work.seq):
+                return None
+            return key, None, False
         if work.key[0] == "sweep":
             return None, None, False
         try:
@@ -744,6 +747,22 @@ class Uploader:
         return key is not None and any(
             key.startswith(old) for sweep_id, old in self._sweeping.items()
             if not renamed or self._sweep_to.get(sweep_id) is not None)
+
+    def _carried_later(self, key: str, seq: int) -> bool:
+        """Whether a deletion numbered ``seq`` of ``key`` waits for the sweep of a directory
+        renamed here before it (an earlier number) into a directory ``key`` is under: a name
+        removed after its directory's rename (rank 0's ``mv step.tmp step; rm step/x``). The
+        sweep brings there what other nodes closed under the old name before the rename,
+        another node's rewrite of ``x`` still uploading then included; the deletion, after
+        it, takes that version too, as the job removed it."""
+        for sweep_id, new in self._sweep_to.items():
+            if new is None or not key.startswith(new):
+                continue
+            work = self._pending.get(("sweep", sweep_id)) or self._inflight.get(
+                ("sweep", sweep_id))
+            if work is not None and work.seq < seq:
+                return True
+        return False
 
     def _moves_out_later(self, row: Row, key: str | None) -> bool:
         """Whether ``row``'s move to ``key`` is out of a directory renamed here whose sweep has
