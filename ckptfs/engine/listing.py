@@ -376,8 +376,9 @@ class Lister:
 
     def _forget_replaced(self, record: Record) -> bool:
         """The file whose upload a power loss made the journal forget goes if ``record``
-        says another node deleted, replaced or moved exactly its version since; whether the
-        record was acted on."""
+        says another node deleted, replaced or moved exactly its version since (a name of a
+        hard-linked file goes alone, as for any removal by another node); whether the record
+        was acted on."""
         version = version_of(record.stamp)
         # Versions above current_version were handed out after the roll-back point, to
         # other contents.
@@ -388,7 +389,7 @@ class Lister:
         if row is None or row.version != version or row.stamp == record.stamp or \
                 not stat.S_ISREG(row.mode) or row.incomplete or self._is_busy(row.ino) or \
                 row.state not in (State.STAGED, State.UPLOADING) or row.parent is None or \
-                row.name is None or self.ns.is_linked(row):
+                row.name is None:
             return False
         with self.journal.transaction():
             if self._remove(self.ns.get(row.parent), row.name, row):

@@ -1034,7 +1034,7 @@ class Uploader:
 
         True if the row is settled so; False: upload it (nothing there, an older version,
         or another node's version this one replaces)."""
-        if not stat.S_ISREG(row.mode) or self.ns.is_linked(row) or self.lister is None:
+        if not stat.S_ISREG(row.mode) or self.lister is None:
             return False
         version = row.version
         try:
@@ -1045,9 +1045,9 @@ class Uploader:
             return False
         if self.peers.foreign(info.meta.stamp):
             return await self.lister.replaced_since(row, key)
-        if version_of(info.meta.stamp) != version or info.size != row.size or \
-                info.meta.checksum is None:
-            return False
+        if self.ns.is_linked(row) or version_of(info.meta.stamp) != version or \
+                info.size != row.size or info.meta.checksum is None:
+            return False  # (a linked file's names are put from the head's bytes: put again)
         checksum, sums = await trio.to_thread.run_sync(
             file_sums, self.staging.path(row.ino), row.size, self.min_block)
         if checksum != info.meta.checksum or row.state is not State.STAGED or \
