@@ -364,6 +364,15 @@ FORGOTTEN_LINK_NAME_REMOVED = (3, [
     Op("rmtree", 2, "step2"), Op("write", 0, "step1/n0.done"), Op("write", 0, "step1/a"),
     Op("write", 1, "step1/m/a"), Op("write", 0, "step1/a")])
 
+# Node 1 rewrote node 0's step1/a (still uploading); node 0 renamed step1 to step2, then
+# step2/a to step2/b. The file's move found node 1's version at the old key and, node 0's
+# own committed file not being a mere view, was put again from node 0's older local copy.
+# A committed file with nothing changed here follows a newer version as a view does.
+RENAMED_AFTER_ITS_DIRECTORY_WHILE_REWRITTEN = (2, [
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("write", 0, "step1/a"),
+    Op("write", 1, "step1/a"), Op("rename", 0, "step1", "step2"),
+    Op("rename", 0, "step2/a", "step2/b")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -402,7 +411,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "linked-name-replaced-by-another-node": LINKED_NAME_REPLACED_BY_ANOTHER_NODE,
          "operator-after-an-exchange-of-its-files": OPERATOR_AFTER_AN_EXCHANGE_OF_ITS_FILES,
          "removed-after-its-directorys-rename": REMOVED_AFTER_ITS_DIRECTORYS_RENAME,
-         "forgotten-link-name-removed": FORGOTTEN_LINK_NAME_REMOVED}
+         "forgotten-link-name-removed": FORGOTTEN_LINK_NAME_REMOVED,
+         "renamed-after-its-directory-while-rewritten": RENAMED_AFTER_ITS_DIRECTORY_WHILE_REWRITTEN}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -1303,11 +1303,15 @@ class Uploader:
 
     def _may_follow(self, row: Row, info: ObjectInfo) -> bool:
         """Whether a move of ``row`` may take the other version ``info`` found at its old
-        key: ``row`` is a plain view of another node's file (no local bytes, not a name of a
-        linked file), and ``info`` is a file with its writer's stamp."""
-        return (self.lister is not None and row.state is State.REMOTE and row.closed_at is None
-                and not self.ns.is_linked(row) and info.meta.kind is Kind.FILE
-                and info.meta.stamp is not None and self.peers.foreign(info.meta.stamp))
+        key: ``row`` is a plain view of that key (another node's file, or this node's own
+        committed one with nothing of it changed here since: a listing would take another
+        node's new version there too, ``Lister._clean``), not a name of a linked file, and
+        ``info`` is another node's file, written there after the version the row holds
+        (the store took it after that one)."""
+        return (self.lister is not None and row.state in (State.REMOTE, State.COMMITTED)
+                and not row.incomplete and not self.ns.is_linked(row)
+                and info.meta.kind is Kind.FILE and info.meta.stamp is not None
+                and self.peers.foreign(info.meta.stamp))
 
     async def _sweep(self, sweep_id: int) -> None:
         """Carry a directory's rename (or removal) to the store, once every node has committed
