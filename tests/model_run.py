@@ -226,7 +226,7 @@ class Runner:
                 # Another node's to upload: a name another node linked, or exchanged (that
                 # node uploads both names again from its copies).
                 continue
-            if self._holds(path, cid):
+            if self._holds(path, cid) or self._kept_elsewhere(cid):
                 continue
             # The operator keeps the job's rules too: a file another node changed since (an
             # exchange, a rename) is rewritten only once that change is in the store and
@@ -247,6 +247,14 @@ class Runner:
     def _holds(self, path: str, cid: int) -> bool:
         obj = self.objects.get(path)
         return obj is not None and content_id(obj.body) == cid  # type: ignore[attr-defined]
+
+    def _kept_elsewhere(self, cid: int) -> bool:
+        """Whether the store holds the version ``cid`` under another key: not lost, only not
+        moved yet (another node renamed its directory, and that rename's sweep carries it).
+        Rewritten, it would race the sweep's copy of the same name."""
+        return any(not key.startswith(CONTROL_PREFIX)
+                   and content_id(obj.body) == cid  # type: ignore[attr-defined]
+                   for key, obj in self.objects.items())
 
     async def settle_data(self, i: int) -> None:
         """Node ``i``'s files and directories (not its markers) are in the store."""

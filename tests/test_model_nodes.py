@@ -373,6 +373,17 @@ RENAMED_AFTER_ITS_DIRECTORY_WHILE_REWRITTEN = (2, [
     Op("write", 1, "step1/a"), Op("rename", 0, "step1", "step2"),
     Op("rename", 0, "step2/a", "step2/b")])
 
+# Node 0 renamed step2 (holding node 1's m/a) to step1; node 1 lost power before the
+# rename's sweep ran. The runner's operator rewrote step1/m/a on node 1 (the store did not
+# hold it there yet), racing the sweep's copy of the same name; node 0 then removed it, and
+# node 1's newer row put it back. A defect of the runner: that version was not lost, only
+# not moved yet.
+OPERATOR_BEFORE_A_SWEEP = (2, [
+    Op("write", 0, "step1/a"), Op("sync", 0), Op("write", 0, "step2.tmp/a"),
+    Op("rmtree", 1, "step1"), Op("write", 1, "step2/m/a"), Op("rmtree", 0, "step2.tmp"),
+    Op("pause", 0, n=1), Op("rename", 0, "step2", "step1"), Op("power", 1),
+    Op("pause", 0, n=10), Op("unlink", 0, "step1/m/a")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -412,7 +423,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "operator-after-an-exchange-of-its-files": OPERATOR_AFTER_AN_EXCHANGE_OF_ITS_FILES,
          "removed-after-its-directorys-rename": REMOVED_AFTER_ITS_DIRECTORYS_RENAME,
          "forgotten-link-name-removed": FORGOTTEN_LINK_NAME_REMOVED,
-         "renamed-after-its-directory-while-rewritten": RENAMED_AFTER_ITS_DIRECTORY_WHILE_REWRITTEN}
+         "renamed-after-its-directory-while-rewritten": RENAMED_AFTER_ITS_DIRECTORY_WHILE_REWRITTEN,
+         "operator-before-a-sweep": OPERATOR_BEFORE_A_SWEEP}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))
