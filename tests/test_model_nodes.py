@@ -384,6 +384,17 @@ OPERATOR_BEFORE_A_SWEEP = (2, [
     Op("pause", 0, n=1), Op("rename", 0, "step2", "step1"), Op("power", 1),
     Op("pause", 0, n=10), Op("unlink", 0, "step1/m/a")])
 
+# A hard-linked file came back incomplete after a power loss (both names), while another
+# node had removed its first name: the other name took this node's version from the store,
+# but the bytes are the head's, which stayed empty (both names read nothing; seed 291).
+LINKED_FILE_LOST_WITH_ITS_FIRST_NAME_REMOVED = (2, [
+    Op("write", 0, "step2.tmp/.metadata"), Op("link", 0, "step2.tmp/.metadata", "step2.tmp/l1"),
+    Op("pause", 0, n=1), Op("write", 0, "step2.tmp/m/a"), Op("evict", 0), Op("sync", 0),
+    Op("rename", 0, "step2.tmp/l1", "step2.tmp/a"), Op("write", 0, "step2.tmp/a"),
+    Op("evict", 0), Op("pause", 0, n=1), Op("write", 0, "step2.tmp/a"), Op("evict", 0),
+    Op("pause", 0, n=1), Op("unlink", 1, "step2.tmp/.metadata"), Op("write", 0, "step1/a"),
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("power", 0)])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -424,7 +435,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "removed-after-its-directorys-rename": REMOVED_AFTER_ITS_DIRECTORYS_RENAME,
          "forgotten-link-name-removed": FORGOTTEN_LINK_NAME_REMOVED,
          "renamed-after-its-directory-while-rewritten": RENAMED_AFTER_ITS_DIRECTORY_WHILE_REWRITTEN,
-         "operator-before-a-sweep": OPERATOR_BEFORE_A_SWEEP}
+         "operator-before-a-sweep": OPERATOR_BEFORE_A_SWEEP,
+         "linked-file-lost-with-its-first-name-removed":
+             LINKED_FILE_LOST_WITH_ITS_FIRST_NAME_REMOVED}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

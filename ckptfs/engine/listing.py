@@ -816,6 +816,39 @@ class Lister:
         if by is None:
             row.closed_at = row.committed_at = time.time()  # this node's version, as before
         self.ns.persist(row)
+        self._recover_bytes(row)
+
+    def _recover_bytes(self, row: Row) -> None:
+        """``row``, a name of a hard-linked file, just took the store's version of its
+        object: the file's bytes are the head's (the kernel reads those), so the head takes
+        that version too if the power loss took its bytes as well (it came back incomplete),
+        or if it took an older one of this node's from its own name's object meanwhile (the
+        power loss fell between two names' puts). The head's own name keeps its object's tag:
+        the listing of that name then judges it as any committed name (gone from the store:
+        another node removed it, and it goes; holding an older version: it stays, the names
+        diverge as docs/HARD_LINKS.md says). A head never committed under its own name is
+        left as it is (its object is not known gone: it may never have been put)."""
+        if row.link_of is None or row.incomplete:
+            return
+        head = self.ns.get(row.link_of)
+        if head.remote_key is None or self._is_busy(head.ino):
+            return
+        if not head.incomplete:
+            ours, theirs = (head.stamp or "").rpartition("."), (row.stamp or "").rpartition(".")
+            if head.state is not State.REMOTE or ours[0] != theirs[0] or \
+                    (version_of(head.stamp) or 0) >= (version_of(row.stamp) or 0):
+                return
+        log.warning("%s: a hard-linked file came back incomplete here; it takes the version "
+                    "this node committed under that name (%d bytes)", row.remote_key, row.size)
+        self._on_drop(head)
+        head.incomplete = False
+        head.state = State.REMOTE
+        head.size, head.checksum, head.blocks = row.size, row.checksum, row.blocks
+        head.mode, head.uid, head.gid = row.mode, row.uid, row.gid
+        head.mtime_ns, head.ctime_ns = row.mtime_ns, row.ctime_ns
+        head.stamp, head.version = row.stamp, row.version
+        head.closed_at, head.committed_at = row.closed_at, row.committed_at
+        self.ns.persist(head)
 
     def _lost_to_power(self, remote: dict[bytes, ObjectInfo], details: dict[str, ObjectInfo],
                        before: dict[bytes, Row]) -> dict[str, Row]:

@@ -345,7 +345,7 @@ class Namespace:
         heir = self.aliases(row.ino)[0]
         path = self.journal.path_of(heir.ino)
         adopt = (row.state in (State.COMMITTED, State.REMOTE) and row.uploading_key is None
-                 and not row.incomplete and heir.state is State.COMMITTED
+                 and not row.incomplete and heir.state in (State.COMMITTED, State.REMOTE)
                  and heir.uploading_key is None and heir.version == row.version
                  and heir.checksum is not None and heir.checksum == row.checksum
                  and path is not None and heir.remote_key == os.fsdecode(path))
