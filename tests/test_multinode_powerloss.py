@@ -86,6 +86,19 @@ async def _shard_closed_then_lost(
     return a, b, row.ino
 
 
+async def _back_from_power_loss(nursery: trio.Nursery, node: Node, root: Path, store: str,
+                                durable: Path) -> Node:
+    """``node`` loses power (its journal back at ``durable``), restarts on a new boot, its
+    hold is cleared (the operator's ``--forget``), and it syncs."""
+    node.kill()
+    await node.stopped.wait()
+    power_loss(root, durable)
+    node = await nursery.start(functools.partial(run_node, root, store, boot="boot-2"))
+    await node.coordinator.forget(node.name)
+    await sync(node)
+    return node
+
+
 @pytest.mark.parametrize("row_lost", [False, True], ids=["close-lost", "row-lost"])
 async def test_a_node_back_from_a_power_loss_holds_the_marker_until_an_operator_decides(
     tmp_path: Path, store: str, clock: trio.abc.Clock, row_lost: bool
@@ -271,13 +284,7 @@ async def test_a_move_the_power_loss_made_the_journal_forget(
                 await b.write("step_1/.metadata", b"new" * 100)
             await sync(b)
             assert ("step_1/.metadata" in keys(store)) is (then == "rewritten")
-        a.kill()
-        await a.stopped.wait()
-        power_loss(tmp_path / "a", durable)
-        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store,
-                                                  boot="boot-2"))
-        await a.coordinator.forget(a.name)
-        await sync(a)
+        a = await _back_from_power_loss(nursery, a, tmp_path / "a", store, durable)
         step = (await a.fs.lookup(ROOT_INODE, b"step_1")).ino
         if then == "removed":
             with pytest.raises(NotFound):
@@ -355,5 +362,42 @@ async def test_an_upload_the_power_loss_made_the_journal_forget(
         assert not row.incomplete
         assert row.state.value == ("remote" if then else "committed")
         assert await read(a.fs, "step_1/x") == (b"b" * 300 if then else b"a" * 5000)
+        await a.stop()
+        await b.stop()
+
+
+@pytest.mark.parametrize("then", ["renamed", "removed"])
+async def test_a_directory_whose_marker_the_power_loss_made_the_journal_forget(
+    tmp_path: Path, store: str, clock: trio.abc.Clock, then: str
+) -> None:
+    """A made ``step_1.tmp`` with a shard in it, and both reached the store; a power loss
+    rolls A's journal back to before their commits. Meanwhile B renamed the directory to
+    ``step_1`` (rank 0's tmp-dir commit) or removed it: its sweep told A, for the shard and
+    for the directory's marker (which carries its writer's stamp). Back, A lets both go
+    instead of putting them again: put again, ``step_1.tmp/`` came back (seed 173)."""
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(run_node, tmp_path / "a", store)
+        b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, node="n-b"))
+        await a.write("step_1.tmp/x", b"a" * 5000)
+        durable = durable_point(tmp_path / "a")  # made and closed, nothing committed
+        await sync(a)
+        await trio.sleep(60)  # B's listing shows A's directory
+        tmp = await b.fs.lookup(ROOT_INODE, b"step_1.tmp")
+        await b.fs.lookup(tmp.ino, b"x")
+        if then == "renamed":
+            await b.fs.rename(ROOT_INODE, b"step_1.tmp", ROOT_INODE, b"step_1")
+        else:
+            await b.fs.unlink(tmp.ino, b"x")
+            await b.fs.rmdir(ROOT_INODE, b"step_1.tmp")
+        await sync(b)
+        assert not {k for k in keys(store) if k.startswith("step_1.tmp/")}
+        a = await _back_from_power_loss(nursery, a, tmp_path / "a", store, durable)
+        assert not {k for k in keys(store) if k.startswith("step_1.tmp/")}
+        with pytest.raises(NotFound):
+            await a.fs.lookup(ROOT_INODE, b"step_1.tmp")
+        if then == "renamed":
+            assert store_named(store)["step_1/x"].body == b"a" * 5000
+            await trio.sleep(60)
+            assert await read(a.fs, "step_1/x") == b"a" * 5000
         await a.stop()
         await b.stop()

@@ -182,13 +182,26 @@ class Peers:
         node's own versions need no record; one named by its tag is deleted only while the
         store holds a version of this node there (another node may have replaced it since:
         its upload started before this node's removal and landed after, and the job's
-        removal of it is the directory's sweep, which lists after the barrier). Directory
-        markers are deleted as they are. With no version named, what is there is read
+        removal of it is the directory's sweep, which lists after the barrier). A directory
+        marker is deleted whatever its version (its writer told). With no version named, what is there is read
         first, and treated as named. ``exact``: one of this node's own versions is deleted
         only by its tag (a row of this node holds another version at the key; the caller
         names the tag). Returns whether a version was deleted (False: gone already, or
         another version is there now, which stays)."""
-        if key.endswith("/") or (self.own(stamp) and not exact and etag is None):
+        if key.endswith("/"):
+            # A directory marker: its writer is told too (a power loss may make it forget
+            # that it put it: listing.py ``removed_dir_forgotten``). Its version is not
+            # pinned: a marker put again meanwhile says the same (the directory exists).
+            if stamp is None:
+                try:
+                    stamp = (await self.tier.head(key)).meta.stamp
+                except ObjectMissing:
+                    return False
+            await self.record(stamp, key, Verdict.MOVED if moved_to else Verdict.DELETED,
+                              to=moved_to)
+            await self.tier.delete(key)
+            return True
+        if self.own(stamp) and not exact and etag is None:
             await self.tier.delete(key)
             return True
         if self.own(stamp):

@@ -293,9 +293,10 @@ class Lister:
         """Act on the records other nodes left about this node's versions (peers.py) without
         waiting for a listing of their directories: an entry written here whose version was
         deleted or moved goes (its object is checked gone first: a record is written just
-        before its deletion). Records about versions this node no longer holds as they were
-        are deleted unread further; those about an entry that is open, or that may be a file
-        that came back incomplete, stay for the next round. Returns how many entries went."""
+        before its deletion); a directory goes once it is empty, its record kept until then.
+        Records about versions this node no longer holds as they were are deleted unread
+        further; those about an entry that is open, or that may be a file that came back
+        incomplete, stay for the next round. Returns how many entries went."""
         try:
             records = await self.peers.mailbox()
         except (StoreUnavailable, TierError) as exc:
@@ -308,7 +309,8 @@ class Lister:
         # directory to decide (``Peers.replaced``), not unread garbage.
         incomplete = self.journal.incomplete_versions()
         for record in records:
-            keep = (version_of(record.stamp), record.key) in incomplete
+            keep = (version_of(record.stamp), record.key) in incomplete or \
+                self._forgotten_dir(record) is not None  # for the uploader to decide
             for ino in self.journal.with_stamp(record.stamp):
                 try:
                     row = self.ns.get(ino)
@@ -316,11 +318,16 @@ class Lister:
                     continue
                 if row.remote_key != record.key or record.fate is Verdict.LOST:
                     continue
-                if not self._settled(row, record.key) or not self._holds_copy(row):
+                # A directory is acted on too: a power loss that rolls the journal back to
+                # before its marker's commit must find the record (``removed_dir_forgotten``).
+                if not self._settled(row, record.key) or \
+                        not (self._holds_copy(row) or stat.S_ISDIR(row.mode)):
                     keep = keep or self._is_busy(row.ino)  # open now: decided later
                     continue
                 try:
-                    still = (await self.tier.head(record.key)).meta.stamp == record.stamp
+                    # A directory stays while any marker is there (put again since).
+                    still = (await self.tier.head(record.key)).meta.stamp == record.stamp \
+                        or record.key.endswith("/")
                 except ObjectMissing:
                     still = False
                 except (StoreUnavailable, TierError):
@@ -337,8 +344,13 @@ class Lister:
                 with self.journal.transaction():
                     if self._remove(directory, row.name, row):
                         removed += 1
-                        log.info("%s: %s by node %s; local copy dropped", record.key,
+                        log.info("%s: %s by node %s; removed here too", record.key,
                                  record.fate.value, record.by or "?")
+                    elif stat.S_ISDIR(row.mode):
+                        # Entries first (listed now: those moved or removed with it go);
+                        # the record stays until it goes, so that a power loss meanwhile
+                        # does not put its marker again (``removed_dir_forgotten``).
+                        keep = True
             if not keep:
                 done.append(record)
         await self.drop_records(done)
@@ -373,6 +385,50 @@ class Lister:
                 and self.ns.entry_at(key) is row and self._forget_replaced(record)]
         await self.drop_records(done)
         return bool(done)
+
+    async def removed_dir_forgotten(self, row: Row, key: str) -> bool:
+        """After a power loss, before the marker of the directory ``row`` is put at ``key``
+        again (the journal forgot that it was put): if it is gone from the store and another
+        node's record says it removed or moved this very version of it (peers.py: a marker
+        carries its writer's stamp), the directory went with the job. Its entries are listed
+        first (those the job removed or moved with it go, as for any file: a file that came
+        back incomplete goes by its own record); if none is left, it goes here too (True).
+        An entry left in it keeps it (False: its marker is put again)."""
+        try:
+            await self.tier.head(key)
+            return False  # there: putting it again changes nothing
+        except ObjectMissing:
+            pass
+        records = [record for record in await self.peers.mailbox()
+                   if record.key == key and self._forgotten_dir(record) is row]
+        if not records:
+            return False
+        await self.refresh_tree(row, current=True)
+        row = self.ns.get(row.ino)
+        if row.parent is None or row.name is None or self.journal.has_children(row.ino) or \
+                self._forgotten_dir(records[0]) is not row:
+            return False
+        with self.journal.transaction():
+            removed = self._remove(self.ns.get(row.parent), row.name, row)
+        if removed:
+            log.warning("%s: its marker's put was forgotten by the power loss, and node %s %s "
+                        "that directory since: not put again", key, records[0].by or "?",
+                        records[0].fate.value)
+            await self.drop_records(records)
+        return removed
+
+    def _forgotten_dir(self, record: Record) -> Row | None:
+        """The directory whose marker's put a power loss made the journal forget, if
+        ``record`` names exactly that version (another node removed or moved it since)."""
+        version = version_of(record.stamp)
+        if not record.key.endswith("/") or record.fate is Verdict.LOST or version is None or \
+                version > self.journal.current_version():
+            return None
+        row = self.ns.entry_at(record.key)
+        if row is None or not stat.S_ISDIR(row.mode) or row.version != version or \
+                row.stamp == record.stamp or row.state is not State.STAGED:
+            return None
+        return row
 
     def _forget_replaced(self, record: Record) -> bool:
         """The file whose upload a power loss made the journal forget goes if ``record``

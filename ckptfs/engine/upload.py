@@ -1363,7 +1363,9 @@ class Uploader:
                                         etag=version.etag, moved_to=moved_to)
         for info in directories:
             if not any(f.key.startswith(info.key) for f in fresh):  # else written in since
-                await self.tier.delete(info.key)
+                await self.peers.delete(
+                    info.key, stamp=info.meta.stamp if info.meta_known else None,
+                    moved_to=None if new is None else new + info.key[len(old):])
         self.journal.drop_sweep(sweep_id)
         self._sweeping.pop(sweep_id, None)
         self._sweep_to.pop(sweep_id, None)
@@ -1631,8 +1633,19 @@ class Uploader:
         target_key = key + "/" if is_dir else key
         if row.state is State.COMMITTED and row.remote_key == target_key:
             return
+        if is_dir and row.ino in self._forgotten_uploads and self.lister is not None:
+            # After a power loss: another node may have removed or moved the directory since
+            # this node put its marker (listing.py ``removed_dir_forgotten``).
+            if await self.lister.removed_dir_forgotten(row, target_key):
+                self._forgotten_uploads.discard(row.ino)
+                return
+            self._forgotten_uploads.discard(row.ino)  # decided once
+            row = self.ns.get(row.ino)
         await self._supersede(target_key)
         meta = self._entry_meta(row)
+        if is_dir:
+            # Whose marker it is: a node that removes or moves it tells its writer (peers.py).
+            meta = dataclasses.replace(meta, stamp=self.peers.stamp(row.version))
         # Claimed while the put is on its way: should the entry be renamed meanwhile, a
         # listing must not take the object for a new entry at the old name.
         row.uploading_key = target_key
@@ -1642,9 +1655,11 @@ class Uploader:
         if live is None:
             return
         row = live
-        old_key = row.remote_key
+        old_key, old_stamp = row.remote_key, row.stamp
         row.remote_key = target_key
         row.uploading_key = None
+        if is_dir:
+            row.stamp = meta.stamp
         # A chmod/chown while it was being put leaves it STAGED: it is put once more. Not a
         # directory's mtime, which every entry created in it changes (a directory's mtime in
         # the store is the one of its last put).
@@ -1656,7 +1671,9 @@ class Uploader:
         with self.journal.transaction():
             self.ns.persist(row)
             if old_key and old_key != target_key:
-                # Deleted once its old children are (retried until it is empty).
-                self._retire(old_key)
+                # Deleted once its old children are (retried until it is empty); a
+                # directory's writer is told where it went.
+                self._retire(old_key, old_stamp if is_dir else None,
+                             moved_to=target_key if is_dir else None)
         if row.state is State.STAGED or os.fsdecode(self.journal.path_of(row.ino) or b"") != key:
             self._continue(row.ino)  # changed or renamed while being put: put it again

@@ -657,6 +657,14 @@ def _make_directory(dir_fd: int, name: str, key: str, meta: ObjectMeta) -> None:
     fd = _open_subdir(dir_fd, name, key.rstrip("/"))
     try:
         os.fchmod(fd, stat.S_IMODE(meta.mode))
+        if meta.stamp:
+            # Which node put it (peers.py): its writer is told if another node removes it.
+            try:
+                os.setxattr(fd, _XATTR_STAMP, meta.stamp.encode())
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM,
+                                     errno.ENOSPC, errno.E2BIG):
+                    raise
         os.utime(fd, ns=(meta.mtime_ns, meta.mtime_ns))
         if os.geteuid() == 0:
             os.fchown(fd, meta.uid, meta.gid)
@@ -887,8 +895,12 @@ def _info(dir_fd: int, name: str, key: str) -> ObjectInfo:
         meta = ObjectMeta(Kind.SYMLINK, 0o777, st.st_mtime_ns, st.st_uid, st.st_gid, None, target)
         return ObjectInfo(key, len(target), meta, etag=_tag(st))
     if stat.S_ISDIR(st.st_mode):
+        try:
+            marker_stamp: str | None = _getxattr_at(dir_fd, name, _XATTR_STAMP).decode()
+        except OSError:
+            marker_stamp = None
         meta = ObjectMeta(Kind.DIRECTORY, stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_uid,
-                          st.st_gid)
+                          st.st_gid, stamp=marker_stamp)
         return ObjectInfo(key + "/", 0, meta, etag=_tag(st))
     special = _special_meta(dir_fd, name, st)
     if special is not None:

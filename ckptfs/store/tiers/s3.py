@@ -552,7 +552,8 @@ class S3Tier(Tier):
             # SeaweedFS keeps no metadata on a directory marker: then it is a directory as a
             # listing shows one (0755), not a file's default mode
             mode = meta.mode if "ckptfs-mode" in headers else 0o755
-            meta = ObjectMeta(Kind.DIRECTORY, mode, meta.mtime_ns, meta.uid, meta.gid)
+            meta = ObjectMeta(Kind.DIRECTORY, mode, meta.mtime_ns, meta.uid, meta.gid,
+                              stamp=meta.stamp)
         restore = reply.get("Restore")
         state = None
         if restore:
