@@ -49,6 +49,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import functools
@@ -103,6 +104,7 @@ HURRY_DELAY = 1.0  # the longest a failed item waits while a writer waits for sp
 # that is n attempts (a sync, a checksum and two journal writes each) per backoff period, a
 # load on the daemon and on the struggling store that grows with the queue.
 OUTAGE_AFTER = 3
+UPLOADED_KEYS = 4096  # keys of the last uploads kept for ``uploaded_since`` (retention)
 _HASH_CHUNK = 8 * 1024 * 1024
 
 WorkKey = tuple[str, int]  # ("ino", inode), ("tomb", tombstone id) or ("sweep", sweep id)
@@ -234,6 +236,9 @@ class Uploader:
         # Set at each file uploaded (``wait_uploaded``): the retention task waits on it, not
         # on ``_changed``, which every close of a create burst sets.
         self._uploaded = trio.Event()
+        # The keys of the last uploads, for ``uploaded_since`` (bounded: older ones are not
+        # known one by one any more).
+        self._uploaded_keys: collections.deque[str] = collections.deque(maxlen=UPLOADED_KEYS)
         self.stats = UploadStats()
         self._random = random.Random()
         self._interrupted_keys: set[str] = set()
@@ -524,6 +529,17 @@ class Uploader:
         """Return once more than ``seen`` files were uploaded (``stats.uploaded_files``)."""
         while self.stats.uploaded_files <= seen:
             await self._uploaded.wait()
+
+    def uploaded_since(self, seen: int) -> list[str] | None:
+        """The keys of the files uploaded after the first ``seen`` (``stats.uploaded_files``),
+        oldest first, or None if they are too many to have been kept."""
+        count = self.stats.uploaded_files - seen
+        if count <= 0:
+            return []
+        if count > len(self._uploaded_keys):
+            return None
+        return list(itertools.islice(self._uploaded_keys, len(self._uploaded_keys) - count,
+                                     None))
 
     async def wait_idle(self) -> None:
         """Return once nothing at all is left to do (items queued meanwhile included)."""
@@ -1168,6 +1184,7 @@ class Uploader:
         checksum, sums = summed[0]
         blocks = sums.encode()
         self.stats.uploaded_files += 1
+        self._uploaded_keys.append(key)
         self._uploaded.set()
         self._uploaded = trio.Event()
         self.stats.uploaded_bytes += size
