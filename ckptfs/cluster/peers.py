@@ -183,11 +183,11 @@ class Peers:
         store holds a version of this node there (another node may have replaced it since:
         its upload started before this node's removal and landed after, and the job's
         removal of it is the directory's sweep, which lists after the barrier). A directory
-        marker is deleted whatever its version (its writer told). With no version named, what is there is read
-        first, and treated as named. ``exact``: one of this node's own versions is deleted
-        only by its tag (a row of this node holds another version at the key; the caller
-        names the tag). Returns whether a version was deleted (False: gone already, or
-        another version is there now, which stays)."""
+        marker is deleted whatever its version (its writer told). With no version named,
+        what is there is read first, and treated as named. ``exact``: one of this node's own
+        versions is deleted only by its tag (a row of this node holds another version at the
+        key; the caller names the tag). Returns whether a version was deleted (False: gone
+        already, or another version is there now, which stays)."""
         if key.endswith("/"):
             # A directory marker: its writer is told too (a power loss may make it forget
             # that it put it: listing.py ``removed_dir_forgotten``). Its version is not

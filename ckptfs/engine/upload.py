@@ -1657,7 +1657,10 @@ class Uploader:
                 self._forgotten_uploads.discard(row.ino)
                 return
             self._forgotten_uploads.discard(row.ino)  # decided once
-            row = self.ns.get(row.ino)
+            try:
+                row = self.ns.get(row.ino)  # as it is now (its entries were listed)
+            except NotFound:
+                return
         await self._supersede(target_key)
         meta = self._entry_meta(row)
         if is_dir:
