@@ -555,6 +555,13 @@ class Lister:
                                 "this node's later version in the store is taken (%d bytes)",
                                 info.key, info.size)
                     self._maybe_update(existing, info)
+                elif self._lost_head(existing, info):
+                    log.warning("%s: the bytes of this hard-linked file were lost here (it came "
+                                "back incomplete); this name's version in the store, this "
+                                "node's own, is taken (%d bytes)", info.key, info.size)
+                    if info.etag != existing.remote_etag:
+                        self._maybe_update(existing, info)  # a later commit the journal forgot
+                    self._recover_bytes(existing)
                 elif self._recoverable(existing, info):
                     self._recover(existing, info)
                 elif info.key in replaced and self._recoverable(existing, None) and \
@@ -661,6 +668,7 @@ class Lister:
             return self._clean(row, info.key)
         changed = info.etag is None or info.etag != row.remote_etag
         return (self._clean(row, info.key) and changed or self._recoverable(row, None)
+                or self._lost_head(row, None)
                 or changed and (self._forgotten_link(row, None)
                                 or self._replaced_link(row, None)))
 
@@ -851,6 +859,24 @@ class Lister:
         return info.meta.kind is Kind.FILE and self.peers.own(info.meta.stamp) and \
             info.key == row.remote_key and info.etag != row.remote_etag and \
             version is not None and version > row.version
+
+    def _lost_head(self, row: Row, info: ObjectInfo | None) -> bool:
+        """Whether ``row``, another name of a hard-linked file, settled at its key, stands
+        for bytes a power loss took (the head, which holds them, came back incomplete; this
+        name did not: its close was not the one cut short) while the store holds this
+        node's own version at this name's key (``info``, its metadata read; None: not read
+        yet): nothing local is left to win over it, and the file takes it
+        (``_recover_bytes``)."""
+        if row.link_of is None or not stat.S_ISREG(row.mode) or row.remote_key is None or \
+                not self._settled(row, row.remote_key):
+            return False
+        head = self.ns.get(row.link_of)
+        if not head.incomplete or self._is_busy(head.ino):
+            return False
+        if info is None:
+            return True
+        return info.meta_known and info.meta.kind is Kind.FILE and \
+            info.key == row.remote_key and self.peers.own(info.meta.stamp)
 
     def _recover(self, row: Row, info: ObjectInfo, by: str | None = None) -> None:
         """``row`` came back incomplete: it takes the store's version ``info``, this node's
