@@ -142,6 +142,10 @@ class Lister:
         self._fresh_until: dict[int, float] = {}
         self._listed: set[int] = set()  # listed once since the mount, or created here
         self._failed: set[int] = set()  # whose last listing failed (the store was down)
+        # Directories another node removed or moved whose entries were listed once since
+        # (``apply_records``): still not empty at the next round, they keep entries of
+        # their own, and the record goes.
+        self._entries_listed: set[int] = set()
         self._inflight: dict[int, trio.Event] = {}
         # Where refreshes run so that a lookup can stop waiting for one (the mount's nursery);
         # without one they run in the caller.
@@ -293,7 +297,8 @@ class Lister:
         """Act on the records other nodes left about this node's versions (peers.py) without
         waiting for a listing of their directories: an entry written here whose version was
         deleted or moved goes (its object is checked gone first: a record is written just
-        before its deletion); a directory goes once it is empty, its record kept until then.
+        before its deletion); a directory goes once it is empty, its record kept until the
+        next round (its entries are listed meanwhile).
         Records about versions this node no longer holds as they were are deleted unread
         further; those about an entry that is open, or that may be a file that came back
         incomplete, stay for the next round. Returns how many entries went."""
@@ -308,6 +313,8 @@ class Lister:
         # journal forgot its upload): a record of its version is for the listing of its
         # directory to decide (``Peers.replaced``), not unread garbage.
         incomplete = self.journal.incomplete_versions()
+        # Files first, then directories deepest first: a directory may be emptied by those.
+        records.sort(key=lambda r: (r.key.endswith("/"), -r.key.count("/")))
         for record in records:
             keep = (version_of(record.stamp), record.key) in incomplete or \
                 self._forgotten_dir(record) is not None  # for the uploader to decide
@@ -346,10 +353,13 @@ class Lister:
                         removed += 1
                         log.info("%s: %s by node %s; removed here too", record.key,
                                  record.fate.value, record.by or "?")
-                    elif stat.S_ISDIR(row.mode):
+                    elif stat.S_ISDIR(row.mode) and row.ino not in self._entries_listed:
                         # Entries first (listed now: those moved or removed with it go);
-                        # the record stays until it goes, so that a power loss meanwhile
-                        # does not put its marker again (``removed_dir_forgotten``).
+                        # the record stays until the next round, so that a power loss
+                        # meanwhile does not put its marker again (``removed_dir_forgotten``).
+                        # Not empty then, it keeps entries written here (a file closed into
+                        # it before this node saw the move, carried): the record goes.
+                        self._entries_listed.add(row.ino)
                         keep = True
             if not keep:
                 done.append(record)
