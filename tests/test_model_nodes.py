@@ -415,6 +415,18 @@ LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE = (2, [
     Op("pause", 0, n=1), Op("unlink", 1, "step2.tmp/.metadata"), Op("write", 0, "step1/a"),
     Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("power", 0)])
 
+# And again, the other node removing the name the file was linked as: that name came back
+# incomplete, its record named a later version than the rolled-back journal knew (the bytes'
+# version, which the head's name took from the store), and the name stayed, showing the file
+# the job removed (seed 291 a third time; deterministic, and on the last stop's code too).
+LINKED_NAME_REMOVED_AT_A_FORGOTTEN_VERSION = (2, [
+    Op("write", 0, "step2.tmp/.metadata"), Op("link", 0, "step2.tmp/.metadata", "step2.tmp/l1"),
+    Op("power", 0), Op("write", 0, "step2.tmp/m/a"), Op("evict", 0), Op("sync", 0),
+    Op("rename", 0, "step2.tmp/l1", "step2.tmp/a"), Op("write", 0, "step2.tmp/a"),
+    Op("evict", 0), Op("pause", 0, n=1), Op("write", 0, "step2.tmp/a"), Op("evict", 0),
+    Op("pause", 0, n=3), Op("unlink", 1, "step2.tmp/a"), Op("write", 0, "step1/a"),
+    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("power", 0)])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -461,7 +473,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-forgotten-after-another-nodes-rename":
              MARKER_FORGOTTEN_AFTER_ANOTHER_NODES_RENAME,
          "linked-file-lost-with-only-its-head-incomplete":
-             LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE}
+             LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE,
+         "linked-name-removed-at-a-forgotten-version":
+             LINKED_NAME_REMOVED_AT_A_FORGOTTEN_VERSION}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

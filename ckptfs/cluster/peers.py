@@ -313,13 +313,15 @@ class Peers:
                      record.by or "?", f" to {record.to}" if record.to else "")
         return verdicts, used
 
-    async def replaced(self, rows: dict[str, Row]) -> dict[str, Record]:
+    async def replaced(self, rows: dict[str, Row],
+                       later: Iterable[str] = ()) -> dict[str, Record]:
         """Of ``rows`` (key -> a file of this node that came back incomplete after a power
         loss while the store holds another node's version at its key, or nothing), those
         whose version another node replaced, deleted or moved: the rolled-back journal
         forgot that it was committed, but a record names it (this node, that version number,
         an earlier run). What the store holds then came after it in the job's order, and is
-        the file (or its absence is)."""
+        the file (or its absence is). For the keys in ``later``, a record of a later version
+        of an earlier run counts too (a version the rolled-back journal forgot)."""
         if not rows:
             return {}
         try:
@@ -327,13 +329,21 @@ class Peers:
         except (StoreUnavailable, TierError) as exc:
             log.info("cannot read the records of this node (%s): deciding later", exc)
             return {}
+        later = set(later)
         found: dict[str, Record] = {}
         for record in records:
             row = rows.get(record.key)
-            if row is not None and record.fate is not Verdict.LOST and \
-                    version_of(record.stamp) == row.version:
+            version = version_of(record.stamp)
+            if row is None or record.fate is Verdict.LOST or version is None:
+                continue
+            if version == row.version or (record.key in later and version > row.version
+                                          and not self.this_run(record.stamp)):
                 found[record.key] = record
         return found
+
+    def this_run(self, stamp: str | None) -> bool:
+        """Whether ``stamp`` names a version this run of this node wrote."""
+        return (stamp or "").rpartition(".")[0] == f"{self.node}:{self.run}"
 
     async def drop(self, records: Iterable[Record]) -> None:
         """Delete records this node is done with (best effort: a leftover is read again)."""

@@ -312,11 +312,12 @@ class Lister:
         # A file that came back incomplete after a power loss has no stamp any more (the
         # journal forgot its upload): a record of its version is for the listing of its
         # directory to decide (``Peers.replaced``), not unread garbage.
-        incomplete = self.journal.incomplete_versions()
+        incomplete_keys = {key for _, key in self.journal.incomplete_versions()}
         # Files first, then directories deepest first: a directory may be emptied by those.
         records.sort(key=lambda r: (r.key.endswith("/"), -r.key.count("/")))
         for record in records:
-            keep = (version_of(record.stamp), record.key) in incomplete or \
+            # Any version at such a key: a later one the journal forgot may decide it too.
+            keep = record.key in incomplete_keys or \
                 self._forgotten_dir(record) is not None  # for the uploader to decide
             for ino in self.journal.with_stamp(record.stamp):
                 try:
@@ -517,7 +518,10 @@ class Lister:
         used += replaced.values()
         # Incomplete here and gone from the store: another node removed (or moved) the
         # version this node committed before a power loss made its journal forget it.
-        removed = await self.peers.replaced(self._removed_while_lost(prefix, remote, before))
+        gone = self._removed_while_lost(prefix, remote, before)
+        # A name of a hard-linked file: a later version counts too (see ``_later_version``).
+        removed = await self.peers.replaced(gone, later=[
+            key for key, row in gone.items() if self._linked_name(row)])
         used += removed.values()
         acted: set[str] = set()  # keys whose record was acted on: those records go
         # From here on nothing is awaited: the journal changes in one go. Everything the
@@ -582,8 +586,9 @@ class Lister:
                 if name in remote and remote[name].key not in skip:
                     continue
                 key = self._key_of(prefix, name, row)
-                if key in removed and self._recoverable(row, None) and \
-                        row.version == version_of(removed[key].stamp):
+                if key in removed and self._recoverable(row, None) and (
+                        row.version == version_of(removed[key].stamp)
+                        or self._linked_name(row) and self._later_version(row, removed[key])):
                     # Its version was removed by the job after the commit this node forgot:
                     # the incomplete copy goes with it (else it would stay, shown, forever).
                     if self._remove(directory, name, row):
@@ -869,6 +874,19 @@ class Lister:
         return info.meta.kind is Kind.FILE and self.peers.own(info.meta.stamp) and \
             info.key == row.remote_key and info.etag != row.remote_etag and \
             version is not None and version > row.version
+
+    def _linked_name(self, row: Row) -> bool:
+        return row.link_of is not None and stat.S_ISREG(row.mode)
+
+    def _later_version(self, row: Row, record: Record) -> bool:
+        """Whether ``record`` names a version of ``row`` later than the one the journal
+        rolled back to, from an earlier run. Taken for another name of a hard-linked file
+        that came back incomplete: its bytes are the head's, whose later versions the
+        journal forgot too, so its own version number says nothing of them; a version of
+        its key that the job removed after the roll-back point means the name went."""
+        version = version_of(record.stamp)
+        return version is not None and version > row.version and \
+            not self.peers.this_run(record.stamp)
 
     def _lost_head(self, row: Row, info: ObjectInfo | None) -> bool:
         """Whether ``row``, another name of a hard-linked file, settled at its key, stands
