@@ -420,12 +420,8 @@ LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE = (2, [
 # version, which the head's name took from the store), and the name stayed, showing the file
 # the job removed (seed 291 a third time; deterministic, and on the last stop's code too).
 LINKED_NAME_REMOVED_AT_A_FORGOTTEN_VERSION = (2, [
-    Op("write", 0, "step2.tmp/.metadata"), Op("link", 0, "step2.tmp/.metadata", "step2.tmp/l1"),
-    Op("power", 0), Op("write", 0, "step2.tmp/m/a"), Op("evict", 0), Op("sync", 0),
-    Op("rename", 0, "step2.tmp/l1", "step2.tmp/a"), Op("write", 0, "step2.tmp/a"),
-    Op("evict", 0), Op("pause", 0, n=1), Op("write", 0, "step2.tmp/a"), Op("evict", 0),
-    Op("pause", 0, n=3), Op("unlink", 1, "step2.tmp/a"), Op("write", 0, "step1/a"),
-    Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("power", 0)])
+    *LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE[1][:12], Op("pause", 0, n=3),
+    Op("unlink", 1, "step2.tmp/a"), *LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE[1][14:]])
 
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
