@@ -368,3 +368,50 @@ async def test_a_file_removed_after_its_directorys_rename_takes_a_rewrite_still_
                 await ino_of(node.fs, "step_2/x")
         await a.stop()
         await b.stop()
+
+
+class _DeletesHeld(FaultyTier):
+    """Holds deletions of ``held`` until ``release`` is set: a deletion pending at a key
+    while the node lists its directory."""
+
+    def __init__(self, store: str, held: str) -> None:
+        super().__init__(MemoryTier("warm", f"memory://{store}", store))
+        self.held = held
+        self.release = trio.Event()
+        self.waiting = trio.Event()
+
+    async def delete(self, key: str, *, if_etag: str | None = None) -> None:
+        if key == self.held:
+            self.waiting.set()
+            await self.release.wait()
+        await super().delete(key, if_etag=if_etag)
+
+
+async def test_a_deletion_of_an_older_version_does_not_take_the_file_now_at_its_key(
+        tmp_path: Path, store: str, clock: trio.abc.Clock) -> None:
+    """A exchanges ``a/x`` with ``b/y`` (both its own, committed): each is put again under its
+    new name, and the old version of ``b/y`` is retired, pinned to its tag. While that
+    deletion waits, the file now at ``b/y`` is evicted and ``b/`` is listed: the pending
+    deletion made the listing take the file for gone (it was known from the store only) and
+    drop it (here ``b/y`` was then missing). In the generator's program (seed 139) the
+    deletion, finding no file of A's holding the key any more, then removed the new version
+    too, and the store lost ``b/y``."""
+    tier = _DeletesHeld(store, "b/y")
+    async with trio.open_nursery() as nursery:
+        a = await nursery.start(functools.partial(run_node, tmp_path / "a", store, tier=tier))
+        await a.write("a/x", b"x" * 1000)
+        await a.write("b/y", b"y" * 500)
+        await a.uploader.wait_idle()
+        await a.fs.rename(await ino_of(a.fs, "a"), b"x", await ino_of(a.fs, "b"), b"y",
+                          flags=2)  # RENAME_EXCHANGE
+        await tier.waiting.wait()  # b/y's new version is in; the old one's deletion waits
+        assert store_named(store)["b/y"].body == b"x" * 1000
+        await a.fs.evict_tree(await ino_of(a.fs, "b"))
+        await trio.sleep(10)  # past the listing ttl
+        await list_all(a.fs)
+        tier.release.set()
+        await a.uploader.wait_idle()
+        assert store_named(store)["b/y"].body == b"x" * 1000
+        assert store_named(store)["a/x"].body == b"y" * 500
+        assert await read(a.fs, "b/y") == b"x" * 1000
+        await a.stop()

@@ -583,7 +583,8 @@ class Lister:
                     self._recover(existing, info, by=replaced[info.key].by or "?")
                     acted.add(info.key)
             for name, row in local.items():
-                if name in remote and remote[name].key not in skip:
+                if name in remote and (remote[name].key not in skip
+                                       or self._holds_listed(row, remote[name])):
                     continue
                 key = self._key_of(prefix, name, row)
                 if key in removed and self._recoverable(row, None) and (
@@ -874,6 +875,15 @@ class Lister:
         return info.meta.kind is Kind.FILE and self.peers.own(info.meta.stamp) and \
             info.key == row.remote_key and info.etag != row.remote_etag and \
             version is not None and version > row.version
+
+    def _holds_listed(self, row: Row, info: ObjectInfo) -> bool:
+        """Whether ``row`` is settled at ``info.key`` and the listing shows exactly its
+        object there (the same tag). A deletion pending at that key is then of another,
+        older version (pinned to it: the retired copy of a file that had that name before,
+        an exchange's), not of this one: the entry is in the store, not gone (it was dropped
+        here, and the deletion, finding no holder, then took the row's own version)."""
+        return info.etag is not None and info.etag == row.remote_etag and \
+            self._settled(row, info.key)
 
     def _linked_name(self, row: Row) -> bool:
         return row.link_of is not None and stat.S_ISREG(row.mode)
