@@ -436,6 +436,13 @@ RETIRED_VERSION_UNDER_AN_EXCHANGED_NAME = (4, [
     Op("write", 3, "step1/n3.done"), Op("evict", 1), Op("write", 0, "step1/a"),
     Op("rename", 1, "step2", "step2.tmp")])
 
+# And with the whole directory removed by the other node: after the name the file was linked
+# as went, the first name, alone then, kept waiting for a record of its own rolled-back
+# version, and stayed (seed 291 a fourth time; deterministic).
+LINKED_FILE_REMOVED_WITH_ITS_DIRECTORY_AT_A_FORGOTTEN_VERSION = (2, [
+    *LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE[1][:12], Op("pause", 0, n=3),
+    Op("rmtree", 1, "step2.tmp"), *LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE[1][14:]])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -485,7 +492,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
              LINKED_FILE_LOST_WITH_ONLY_ITS_HEAD_INCOMPLETE,
          "linked-name-removed-at-a-forgotten-version":
              LINKED_NAME_REMOVED_AT_A_FORGOTTEN_VERSION,
-         "retired-version-under-an-exchanged-name": RETIRED_VERSION_UNDER_AN_EXCHANGED_NAME}
+         "retired-version-under-an-exchanged-name": RETIRED_VERSION_UNDER_AN_EXCHANGED_NAME,
+         "linked-file-removed-with-its-directory-at-a-forgotten-version":
+             LINKED_FILE_REMOVED_WITH_ITS_DIRECTORY_AT_A_FORGOTTEN_VERSION}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -519,9 +519,10 @@ class Lister:
         # Incomplete here and gone from the store: another node removed (or moved) the
         # version this node committed before a power loss made its journal forget it.
         gone = self._removed_while_lost(prefix, remote, before)
-        # A name of a hard-linked file: a later version counts too (see ``_later_version``).
-        removed = await self.peers.replaced(gone, later=[
-            key for key, row in gone.items() if self._linked_name(row)])
+        # The names of a hard-linked file: a later version counts too (``_later_version``;
+        # decided now: a name that goes below may leave the other one alone).
+        linked = {key for key, row in gone.items() if self.ns.is_linked(row)}
+        removed = await self.peers.replaced(gone, later=linked)
         used += removed.values()
         acted: set[str] = set()  # keys whose record was acted on: those records go
         # From here on nothing is awaited: the journal changes in one go. Everything the
@@ -589,7 +590,7 @@ class Lister:
                 key = self._key_of(prefix, name, row)
                 if key in removed and self._recoverable(row, None) and (
                         row.version == version_of(removed[key].stamp)
-                        or self._linked_name(row) and self._later_version(row, removed[key])):
+                        or key in linked and self._later_version(row, removed[key])):
                     # Its version was removed by the job after the commit this node forgot:
                     # the incomplete copy goes with it (else it would stay, shown, forever).
                     if self._remove(directory, name, row):
@@ -885,15 +886,12 @@ class Lister:
         return info.etag is not None and info.etag == row.remote_etag and \
             self._settled(row, info.key)
 
-    def _linked_name(self, row: Row) -> bool:
-        return row.link_of is not None and stat.S_ISREG(row.mode)
-
     def _later_version(self, row: Row, record: Record) -> bool:
         """Whether ``record`` names a version of ``row`` later than the one the journal
-        rolled back to, from an earlier run. Taken for another name of a hard-linked file
-        that came back incomplete: its bytes are the head's, whose later versions the
-        journal forgot too, so its own version number says nothing of them; a version of
-        its key that the job removed after the roll-back point means the name went."""
+        rolled back to, from an earlier run. Taken for a name of a hard-linked file that
+        came back incomplete: its version is the bytes', which the journal forgot with
+        the head's, so its own version number says nothing of them; a version of its key
+        that the job removed after the roll-back point means the name went."""
         version = version_of(record.stamp)
         return version is not None and version > row.version and \
             not self.peers.this_run(record.stamp)
