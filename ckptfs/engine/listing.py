@@ -352,6 +352,7 @@ class Lister:
                 with self.journal.transaction():
                     if self._remove(directory, row.name, row):
                         removed += 1
+                        self._entries_listed.discard(row.ino)
                         log.info("%s: %s by node %s; removed here too", record.key,
                                  record.fate.value, record.by or "?")
                     elif stat.S_ISDIR(row.mode) and row.ino not in self._entries_listed:
