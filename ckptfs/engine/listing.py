@@ -520,10 +520,8 @@ class Lister:
         # Incomplete here and gone from the store: another node removed (or moved) the
         # version this node committed before a power loss made its journal forget it.
         gone = self._removed_while_lost(prefix, remote, before)
-        # The names of a hard-linked file: a later version counts too (``_later_version``;
-        # decided now: a name that goes below may leave the other one alone).
-        linked = {key for key, row in gone.items() if self.ns.is_linked(row)}
-        removed = await self.peers.replaced(gone, later=linked)
+        # A later version counts too (``_later_version``).
+        removed = await self.peers.replaced(gone, later=gone)
         used += removed.values()
         acted: set[str] = set()  # keys whose record was acted on: those records go
         # From here on nothing is awaited: the journal changes in one go. Everything the
@@ -591,7 +589,7 @@ class Lister:
                 key = self._key_of(prefix, name, row)
                 if key in removed and self._recoverable(row, None) and (
                         row.version == version_of(removed[key].stamp)
-                        or key in linked and self._later_version(row, removed[key])):
+                        or self._later_version(row, removed[key])):
                     # Its version was removed by the job after the commit this node forgot:
                     # the incomplete copy goes with it (else it would stay, shown, forever).
                     if self._remove(directory, name, row):
@@ -888,11 +886,12 @@ class Lister:
             self._settled(row, info.key)
 
     def _later_version(self, row: Row, record: Record) -> bool:
-        """Whether ``record`` names a version of ``row`` later than the one the journal
-        rolled back to, from an earlier run. Taken for a name of a hard-linked file that
-        came back incomplete: its version is the bytes', which the journal forgot with
-        the head's, so its own version number says nothing of them; a version of its key
-        that the job removed after the roll-back point means the name went."""
+        """Whether ``record`` names a version of ``row`` (a file that came back incomplete)
+        later than the one the journal rolled back to, from an earlier run: the journal
+        forgot the commits of the later versions (a rewrite, a name of a hard-linked file
+        whose version is the bytes'), and the job removed one of them from the key after
+        the roll-back point. The file at that key went with it: its bytes are lost here
+        anyway (incomplete), and what the job did last there was that removal."""
         version = version_of(record.stamp)
         return version is not None and version > row.version and \
             not self.peers.this_run(record.stamp)
