@@ -16,7 +16,8 @@ a mount, trio's autojump clock (virtual time: nothing here waits for real time).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -137,6 +138,32 @@ async def test_no_round_at_the_start_the_first_interval_round_one_interval_later
         staging.close()
 
 
+@asynccontextmanager
+async def keeping_all(tmp_path: Path, tiers: dict[str, Tier], *, requeue: bool = False
+                      ) -> AsyncIterator[tuple[Any, Any, Recorded, trio.Nursery]]:
+    """This node (warm keeps all, hot the last 1), its uploader running (``requeue``: what
+    its journal left queued first); its retention task is started by ``start_retention``."""
+    fs, uploader, journal, staging = await local_node(tmp_path, tiers["warm"])
+    if requeue:
+        uploader.requeue_from_journal()
+    retention = Recorded(policy(KeepRules(all=True)), tiers, fs=fs, markers=MARKERS,
+                         node="b")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(uploader.run)
+            yield fs, uploader, retention, nursery
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.close()
+        journal.close()
+        staging.close()
+
+
+async def start_retention(nursery: trio.Nursery, retention: Recorded, uploader: Any) -> None:
+    retention.t0 = trio.current_time()
+    await nursery.start(retention.run, uploader, INTERVAL)
+
+
 async def test_a_commit_after_the_start_brings_its_local_round(
         tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     """warm keeps all, hot the last 1: a save 100 s after the start is followed by a local
@@ -148,32 +175,20 @@ async def test_a_commit_after_the_start_brings_its_local_round(
     await fill(inner, tmp_path, range(1, 4))
     await first_run(tmp_path, inner, range(4, 6))
 
-    fs, uploader, journal, staging = await local_node(tmp_path, inner)
-    uploader.requeue_from_journal()
-    retention = Recorded(policy(KeepRules(all=True)), tiers, fs=fs, markers=MARKERS,
-                         node="b")
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(uploader.run)
-            retention.t0 = trio.current_time()
-            await nursery.start(retention.run, uploader, INTERVAL)
-            await trio.sleep(100)
-            assert retention.rounds == []
-            await save(fs, [6])
-            await uploader.wait_idle()
-            await trio.sleep(1)
-            assert [scope for _, scope in retention.rounds] == ["local"]
-            assert retention.rounds[0][0] < 102
-            got = states(fs)
-            assert got["step_4/model.pt"] is State.REMOTE
-            assert got["step_5/model.pt"] is State.REMOTE
-            assert got["step_6/model.pt"] is State.COMMITTED
-            assert store_names(inner) == {f"step_{s}" for s in range(1, 7)}
-            nursery.cancel_scope.cancel()
-    finally:
-        fs.close()
-        journal.close()
-        staging.close()
+    async with keeping_all(tmp_path, tiers, requeue=True) as (fs, uploader, retention, nursery):
+        await start_retention(nursery, retention, uploader)
+        await trio.sleep(100)
+        assert retention.rounds == []
+        await save(fs, [6])
+        await uploader.wait_idle()
+        await trio.sleep(1)
+        assert [scope for _, scope in retention.rounds] == ["local"]
+        assert retention.rounds[0][0] < 102
+        got = states(fs)
+        assert got["step_4/model.pt"] is State.REMOTE
+        assert got["step_5/model.pt"] is State.REMOTE
+        assert got["step_6/model.pt"] is State.COMMITTED
+        assert store_names(inner) == {f"step_{s}" for s in range(1, 7)}
 
 
 async def test_only_uploads_into_a_checkpoint_bring_a_local_round(
@@ -184,33 +199,20 @@ async def test_only_uploads_into_a_checkpoint_bring_a_local_round(
     burst 1.6x slower). A checkpoint's file after them does; so do more uploads than the
     uploader remembers the keys of (it cannot tell then)."""
     tiers = memory_tiers(f"{id(tmp_path)}", "warm")
-    inner = tiers["warm"]
-    assert isinstance(inner, MemoryTier)
-    fs, uploader, journal, staging = await local_node(tmp_path, inner)
-    retention = Recorded(policy(KeepRules(all=True)), tiers, fs=fs, markers=MARKERS,
-                         node="b")
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(uploader.run)
-            retention.t0 = trio.current_time()
-            await nursery.start(retention.run, uploader, INTERVAL)
-            for i in range(3):
-                await write(fs, f"logs/run{i}.txt", b"l" * 10)
-                await uploader.wait_idle()
-                await trio.sleep(1)
-            assert retention.rounds == []
-            await save(fs, [1])
+    async with keeping_all(tmp_path, tiers) as (fs, uploader, retention, nursery):
+        await start_retention(nursery, retention, uploader)
+        for i in range(3):
+            await write(fs, f"logs/run{i}.txt", b"l" * 10)
             await uploader.wait_idle()
             await trio.sleep(1)
-            assert [scope for _, scope in retention.rounds] == ["local"]
-            assert uploader.uploaded_since(uploader.stats.uploaded_files - 2) == \
-                ["step_1/model.pt", "step_1/.metadata"]
-            assert uploader.uploaded_since(-10**6) is None
-            nursery.cancel_scope.cancel()
-    finally:
-        fs.close()
-        journal.close()
-        staging.close()
+        assert retention.rounds == []
+        await save(fs, [1])
+        await uploader.wait_idle()
+        await trio.sleep(1)
+        assert [scope for _, scope in retention.rounds] == ["local"]
+        assert uploader.uploaded_since(uploader.stats.uploaded_files - 2) == \
+            ["step_1/model.pt", "step_1/.metadata"]
+        assert uploader.uploaded_since(-10**6) is None
 
 
 async def test_uploads_requeued_at_the_start_bring_a_local_round(
@@ -219,26 +221,13 @@ async def test_uploads_requeued_at_the_start_bring_a_local_round(
     (uploads a restart requeued can be that quick) are followed by a local round, as a
     commit is: the uploader counts from its own start."""
     tiers = memory_tiers(f"{id(tmp_path)}", "warm")
-    inner = tiers["warm"]
-    assert isinstance(inner, MemoryTier)
-    fs, uploader, journal, staging = await local_node(tmp_path, inner)
-    retention = Recorded(policy(KeepRules(all=True)), tiers, fs=fs, markers=MARKERS,
-                         node="b")
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(uploader.run)
-            await save(fs, (1, 2))
-            await uploader.wait_idle()  # done before the retention task starts
-            retention.t0 = trio.current_time()
-            await nursery.start(retention.run, uploader, INTERVAL)
-            await trio.sleep(1)
-            assert [scope for _, scope in retention.rounds] == ["local"]
-            assert states(fs)["step_1/model.pt"] is State.REMOTE
-            nursery.cancel_scope.cancel()
-    finally:
-        fs.close()
-        journal.close()
-        staging.close()
+    async with keeping_all(tmp_path, tiers) as (fs, uploader, retention, nursery):
+        await save(fs, (1, 2))
+        await uploader.wait_idle()  # done before the retention task starts
+        await start_retention(nursery, retention, uploader)
+        await trio.sleep(1)
+        assert [scope for _, scope in retention.rounds] == ["local"]
+        assert states(fs)["step_1/model.pt"] is State.REMOTE
 
 
 # -- the journal walk that pauses ------------------------------------------------------
