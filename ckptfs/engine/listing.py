@@ -312,7 +312,7 @@ class Lister:
         # A file that came back incomplete after a power loss has no stamp any more (the
         # journal forgot its upload): a record of its version is for the listing of its
         # directory to decide (``Peers.replaced``), not unread garbage.
-        incomplete_keys = {key for _, key in self.journal.incomplete_versions()}
+        incomplete_keys = self.journal.incomplete_paths()
         # Files first, then directories deepest first: a directory may be emptied by those.
         records.sort(key=lambda r: (r.key.endswith("/"), -r.key.count("/")))
         for record in records:

@@ -608,16 +608,15 @@ class Journal:
                 size += moved * found
         return int(count), int(size)
 
-    def incomplete_versions(self) -> set[tuple[int, str]]:
-        """(version, path) of the live files that came back incomplete (peers.py: records
-        about them stay until a listing decides). Few: only after a crash."""
+    def incomplete_paths(self) -> set[str]:
+        """The paths of the live files that came back incomplete (peers.py: records about
+        them stay until a listing decides). Few: only after a crash."""
         found = set()
-        for ino, version in self._db.execute(
-                "SELECT ino, version FROM inodes WHERE incomplete = 1 AND parent IS NOT NULL"
-                ).fetchall():
+        for (ino,) in self._db.execute(
+                "SELECT ino FROM inodes WHERE incomplete = 1 AND parent IS NOT NULL").fetchall():
             path = self.path_of(int(ino))
             if path is not None:
-                found.add((int(version), os.fsdecode(path)))
+                found.add(os.fsdecode(path))
         return found
 
     def rows_in_states(self, *states: State) -> list[Row]:
