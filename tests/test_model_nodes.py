@@ -455,6 +455,15 @@ REWRITTEN_FILE_REMOVED_AT_A_FORGOTTEN_VERSION = (2, [
     Op("pause", 0, n=1), Op("rmtree", 1, "step2.tmp"), Op("write", 0, "step1/a"),
     Op("write", 0, "step1/a"), Op("write", 0, "step1/a"), Op("power", 0)])
 
+# A file put at the key of one whose move out of a renamed directory waited for the sweep
+# (an exchange after ``mv step1 step2``) waited for that sweep too, but the acks counted it:
+# the sweep waited for the other node's marker, the marker for this node's ack, the ack for
+# the file (seed 325; deterministic, and on the last stop's code too).
+EXCHANGE_BEHIND_A_SWEEP = (2, [
+    Op("write", 0, "step1/a"), Op("write", 1, "step1/n1.done"), Op("rmtree", 0, "step1"),
+    Op("write", 0, "step1/a"), Op("rename", 0, "step1", "step2"), Op("write", 0, "step1/a"),
+    Op("exchange", 0, "step1/a", "step2/a")])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -508,7 +517,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "linked-file-removed-with-its-directory-at-a-forgotten-version":
              LINKED_FILE_REMOVED_WITH_ITS_DIRECTORY_AT_A_FORGOTTEN_VERSION,
          "rewritten-file-removed-at-a-forgotten-version":
-             REWRITTEN_FILE_REMOVED_AT_A_FORGOTTEN_VERSION}
+             REWRITTEN_FILE_REMOVED_AT_A_FORGOTTEN_VERSION,
+         "exchange-behind-a-sweep": EXCHANGE_BEHIND_A_SWEEP}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

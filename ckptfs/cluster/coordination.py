@@ -78,7 +78,8 @@ markers): two nodes each holding a marker would otherwise wait for each other fo
 removed, whose keys every node's files closed in it must reach first). Their acks wait for
 the acking node's markers too (one node's own marker in another's renamed tmp dir), but not
 for markers queued after a sweep of the acking node's own (they wait for that sweep, which
-waits for this node's ack in turn), nor for moves that wait for a sweep: a marker waits only
+waits for this node's ack in turn), nor for moves that wait for a sweep (nor for files that
+wait for such a move to leave their key, upload.py ``_behind_sweep``): a marker waits only
 for plain barriers, whose acks wait only for files, so no ack ever waits for itself. So the
 two kinds are posted apart, each by its own task: a plain barrier goes out while a full one
 waits (two nodes each with a sweep waiting and a marker held would otherwise wait for each

@@ -416,17 +416,18 @@ class Uploader:
             return False  # nothing that old is queued or in flight: O(log n), the usual case
         items = (*self._pending.values(), *self._inflight.values())
         # The moves of a renamed directory wait for its sweep, which waits for the other
-        # nodes' acks: they carry a rename, not a file closed, so acks never wait for them.
+        # nodes' acks: they carry a rename, not a file closed, so acks never wait for them,
+        # nor for the files that wait for them to leave a key.
         if markers:
             sweeps = [w for w in items if w.key[0] == "sweep"]
             return any(
                 w.key[0] == "ino" and w.seq <= upto_seq
                 and not (self._names_marker(w.key) and self._after_own_sweep(w, sweeps))
-                and not self._waits_for_sweep(w.key[1])
+                and not self._behind_sweep(w.key[1])
                 for w in items)
         return any(
             w.key[0] == "ino" and w.seq <= upto_seq and not self._names_marker(w.key)
-            and not self._waits_for_sweep(w.key[1])
+            and not self._behind_sweep(w.key[1])
             for w in items)
 
     def _after_own_sweep(self, work: Work, sweeps: list[Work]) -> bool:
@@ -798,6 +799,32 @@ class Uploader:
             return False
         key = self.keys.key_of(row)
         return self._swept_later(key) or self._moves_out_later(row, key)
+
+    def _behind_sweep(self, ino: int) -> bool:
+        """Whether the item of ``ino`` waits for a sweep, itself or through the files it waits
+        to move away from its key (rule 1): a file put at the key of one whose move out of a
+        renamed directory waits for the sweep (``mv step1 step2``, then an exchange of
+        ``step1/a`` and ``step2/a``) reaches the store only after that sweep too. Acks leave
+        such items out as they leave out those waiting for the sweep themselves."""
+        if not self._sweeping:
+            return False
+        seen: set[int] = set()
+        while ino not in seen:
+            if self._waits_for_sweep(ino):
+                return True
+            seen.add(ino)
+            try:
+                row = self.ns.get(ino)
+            except NotFound:
+                return False
+            key = self.keys.key_of(row)
+            if key is None:
+                return False
+            blocker, cycle = self.keys.blocker(row, key)
+            if blocker is None or cycle:
+                return False  # free to go, or parks (rule 2): it waits for nothing
+            ino = blocker.ino
+        return False
 
     def _queue_sweeps(self) -> None:
         for sweep_id in self.journal.sweeps():
