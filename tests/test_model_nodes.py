@@ -464,6 +464,18 @@ EXCHANGE_BEHIND_A_SWEEP = (2, [
     Op("write", 0, "step1/a"), Op("rename", 0, "step1", "step2"), Op("write", 0, "step1/a"),
     Op("exchange", 0, "step1/a", "step2/a")])
 
+# A file renamed over the commit marker of a tmp dir, then the dir renamed: the sweep carried
+# the marker's older version, which the rename had replaced, to the new name, where it stood
+# until the file's move overwrote it (seed 291, a sixth shape; deterministic, and on the last
+# stop's code too). The same with the older version another node's.
+REPLACED_MARKER_CARRIED = (2, [
+    Op("write", 0, "step2.tmp/.metadata"), Op("pause", 0, n=1), Op("write", 1, "step2.tmp/m/a"),
+    Op("pause", 0, n=1), Op("write", 0, "step2.tmp/a"),
+    Op("rename", 0, "step2.tmp/a", "step2.tmp/.metadata"), Op("rename", 0, "step2.tmp", "step1")])
+REPLACED_FOREIGN_MARKER_CARRIED = (2, [
+    Op("write", 1, "step2.tmp/.metadata"), *REPLACED_MARKER_CARRIED[1][1:],
+    Op("write", 0, "step2.tmp/b"), Op("pause", 0, n=3)])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -518,7 +530,9 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
              LINKED_FILE_REMOVED_WITH_ITS_DIRECTORY_AT_A_FORGOTTEN_VERSION,
          "rewritten-file-removed-at-a-forgotten-version":
              REWRITTEN_FILE_REMOVED_AT_A_FORGOTTEN_VERSION,
-         "exchange-behind-a-sweep": EXCHANGE_BEHIND_A_SWEEP}
+         "exchange-behind-a-sweep": EXCHANGE_BEHIND_A_SWEEP,
+         "replaced-marker-carried": REPLACED_MARKER_CARRIED,
+         "replaced-foreign-marker-carried": REPLACED_FOREIGN_MARKER_CARRIED}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

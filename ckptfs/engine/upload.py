@@ -1483,6 +1483,9 @@ class Uploader:
                 target = new + info.key[len(old):]
                 if self._lives_elsewhere(info.key, target):
                     return  # renamed before the directory: its own move carries it
+                if self._replaced_here(info.key, target):
+                    out.append((info, None))  # not the job's file at that name any more
+                    return
                 copied = await self._sweep_file(info, target, mark)
                 if copied:
                     self._follow(info, target)
@@ -1524,6 +1527,23 @@ class Uploader:
             if path is not None and os.fsdecode(path) != target:
                 return True
         return False
+
+    def _replaced_here(self, key: str, target: str) -> bool:
+        """Whether the file this node has at ``target`` is another than the version at
+        ``key``, on its way there by its own move or upload: a file renamed over that name
+        before the directory was (``mv step.tmp/a step.tmp/.metadata; mv step.tmp step``),
+        its move still waiting for this sweep, or one written at the new name since. The
+        version at ``key`` is then one the job replaced: copied to ``target``, it would
+        stand there, a commit marker with bytes never closed under that name, until the
+        move overwrote it. A file that came back incomplete after a power loss, or one
+        without a copy of its own, is not taken for another: the listing decides it."""
+        row = self.ns.entry_at(target)
+        if row is None or not stat.S_ISREG(row.mode) or row.incomplete:
+            return False
+        if key in (row.remote_key, row.uploading_key):
+            return False  # the file itself (``_follow`` carries it)
+        return row.remote_key is not None or \
+            row.state in (State.OPEN, State.STAGED, State.UPLOADING)
 
     def _follow(self, info: ObjectInfo, target: str) -> None:
         """The rows holding ``info.key`` take ``target``, where it was copied, and its
