@@ -149,6 +149,7 @@ async def run_node(
         await coordinator.check_at_mount(enlist=uploader.work_left() or not lazy)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
+                await nursery.start(journal.commit_batches)  # group commit, as mount.py
                 await nursery.start(uploader.run)
                 await nursery.start(coordinator.run)
                 assert fs.fetcher is not None and fs.lister is not None
@@ -166,17 +167,25 @@ async def run_node(
             await coordinator.deregister()
     finally:
         killed = scope is not None and scope.cancel_called
-        fs.close()
-        journal.close()
+        if killed:
+            # SIGKILL: nothing more is written; what the batch had not committed is in the
+            # redo log, which the next start replays.
+            journal.abandon()
+        else:
+            fs.close()
+            journal.close()
         if not killed:
             run.stop_clean()  # a kill leaves the record as a SIGKILL does: unclean
         staging.close()
         stopped.set()
 
 
-def durable_point(root: Path) -> Path:
+def durable_point(root: Path, journal: Journal) -> Path:
     """What a power loss at this moment would leave of a node's journal (its last durable
-    point): a consistent copy of it, made with SQLite's backup API beside the live one."""
+    point): a consistent copy of it, made with SQLite's backup API beside the live one. The
+    node's ``journal`` commits its batch first (group commit): the moment is declared durable,
+    as ``make_durable`` would make it."""
+    journal.commit_batch()
     copy = root / "journal.durable"
     src = sqlite3.connect(root / "journal.db")
     dst = sqlite3.connect(copy)
@@ -191,7 +200,7 @@ def durable_point(root: Path) -> Path:
 def power_loss(root: Path, durable: Path, lost_data: tuple[int, ...] = ()) -> None:
     """After ``Node.kill()``: the journal rolled back to ``durable`` (its WAL lost) and the
     data files of ``lost_data`` (inodes) emptied, as the page cache held them."""
-    for suffix in ("-wal", "-shm"):
+    for suffix in ("-wal", "-shm", "-redo"):  # never fsynced (the redo log: redo.py)
         (root / ("journal.db" + suffix)).unlink(missing_ok=True)
     os.replace(durable, root / "journal.db")
     for ino in lost_data:

@@ -147,7 +147,7 @@ class Runner:
 
         def now_durable() -> None:
             if self.nodes.get(i) is node:
-                self.durable[i] = durable_point(self.dir(i))
+                self.durable[i] = durable_point(self.dir(i), journal)
                 self.renamed.discard(i)
 
         def made_durable() -> None:
@@ -166,7 +166,7 @@ class Runner:
 
     def mark_durable(self, i: int) -> None:
         """What a power loss of the node from now on leaves of its journal."""
-        self.durable[i] = durable_point(self.dir(i))
+        self.durable[i] = durable_point(self.dir(i), self.nodes[i].fs.journal)
         self.since_durable[i] = []
         self.renamed.discard(i)
 

@@ -122,7 +122,7 @@ class Sim:
 
     def mark_durable(self, i: int) -> None:
         """The node's journal as a power loss now would leave it."""
-        self.durable[i] = (durable_point(self.dir(i)), [])
+        self.durable[i] = (durable_point(self.dir(i), self.alive[i].fs.journal), [])
 
     async def write(self, i: int, path: str, data: bytes) -> None:
         node = self.alive[i]

@@ -446,6 +446,31 @@ def test_kill_right_after_close(mounter: Mounter) -> None:
     assert "incomplete" not in states, states
 
 
+def test_kill_right_after_a_burst_of_metadata(mounter: Mounter) -> None:
+    """Creates, a rename, an unlink, a chmod, then SIGKILL at once: the journal's group commit
+    had not committed the last of them (journal.py ``commit_batches``), its redo log had
+    them, and the remount shows every one."""
+    m = mounter("burst")
+    pid = m.pid
+    (m.path / "d").mkdir()
+    for i in range(200):
+        fd = os.open(m.path / "d" / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, b"x" * i)
+        os.close(fd)
+    os.rename(m.path / "d" / "f1", m.path / "d" / "moved")
+    os.unlink(m.path / "d" / "f2")
+    os.chmod(m.path / "d" / "f3", 0o600)
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=True)
+    m.remount()
+    names = set(os.listdir(m.path / "d"))
+    assert names == {f"f{i}" for i in range(200)} - {"f1", "f2"} | {"moved"}
+    assert all(os.stat(m.path / "d" / f"f{i}").st_size == i for i in range(3, 200))
+    assert stat.S_IMODE(os.stat(m.path / "d" / "f3").st_mode) == 0o600
+    assert "incomplete" not in {m.state(f"d/f{i}") for i in range(3, 200)}
+
+
 def test_kill_during_rename_leaves_one_copy(mounter: Mounter) -> None:
     """DCP's "write x.tmp/, rename to x/", killed at once: the store ends with x/ only."""
     m = mounter("rename")

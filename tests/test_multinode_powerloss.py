@@ -67,12 +67,12 @@ async def _shard_closed_then_lost(
     a = await nursery.start(run_node, tmp_path / "a", store)
     b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, tier=slow))
     if row_lost:
-        durable = durable_point(tmp_path / "b")
+        durable = durable_point(tmp_path / "b", b.fs.journal)
     ckpt = b.fs.mkdir(ROOT_INODE, b"step_1", 0o755, ROOT_CALLER).ino
     fh, row = b.fs.create(ckpt, b"__1_0.distcp", 0o644, os.O_WRONLY | os.O_CREAT, ROOT_CALLER)
     await b.fs.write(fh, 0, b"b" * 50_000)
     if not row_lost:
-        durable = durable_point(tmp_path / "b")  # the close below never became durable
+        durable = durable_point(tmp_path / "b", b.fs.journal)  # the close below never became durable
     b.fs.flush(fh)
     b.fs.release(fh)
     await a.write("step_1/__0_0.distcp", b"a" * 1000)
@@ -270,7 +270,7 @@ async def test_a_move_the_power_loss_made_the_journal_forget(
         step = (await a.fs.lookup(ROOT_INODE, b"step_1")).ino
         await a.fs.lookup(step, b"shard")
         await a.fs.rename(step, b"shard", step, b".metadata")
-        durable = durable_point(tmp_path / "a")  # the rename, not the move's commit
+        durable = durable_point(tmp_path / "a", a.fs.journal)  # the rename, not the move's commit
         await sync(a)
         await wait_for(lambda: "step_1/shard" not in keys(store))
         assert "step_1/.metadata" in keys(store)
@@ -337,7 +337,7 @@ async def test_an_upload_the_power_loss_made_the_journal_forget(
         a = await nursery.start(run_node, tmp_path / "a", store)
         b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, node="n-b"))
         await a.write("step_1/x", b"a" * 5000)
-        durable = durable_point(tmp_path / "a")  # closed, not committed
+        durable = durable_point(tmp_path / "a", a.fs.journal)  # closed, not committed
         await sync(a)
         await trio.sleep(60)  # B's listing shows A's file
         b_step = (await b.fs.lookup(ROOT_INODE, b"step_1")).ino
@@ -379,7 +379,7 @@ async def test_a_directory_whose_marker_the_power_loss_made_the_journal_forget(
         a = await nursery.start(run_node, tmp_path / "a", store)
         b = await nursery.start(functools.partial(run_node, tmp_path / "b", store, node="n-b"))
         await a.write("step_1.tmp/x", b"a" * 5000)
-        durable = durable_point(tmp_path / "a")  # made and closed, nothing committed
+        durable = durable_point(tmp_path / "a", a.fs.journal)  # made and closed, nothing committed
         await sync(a)
         await trio.sleep(60)  # B's listing shows A's directory
         tmp = await b.fs.lookup(ROOT_INODE, b"step_1.tmp")

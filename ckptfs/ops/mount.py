@@ -442,6 +442,9 @@ async def _serve_registered(
             walcheck = journal.checkpoint_in_background()
             await nursery.start(control.loop_watch.run)
             await nursery.start(walcheck.run, lambda: journal.total_changes)
+            # Group commit: a request's change is safe in the redo log when it returns, and
+            # commits with the others of the same few milliseconds (journal.py, redo.py).
+            await nursery.start(journal.commit_batches)
             if not config.read_only:  # read-only: nothing goes to the store, nothing is acked
                 await nursery.start(uploader.run)
                 await nursery.start(coordinator.run)

@@ -20,10 +20,15 @@ Invariants:
 - Only the trio thread touches the connection (sqlite3's default same-thread check enforces it).
   A mounted daemon's WAL checkpoints (fsyncs) run from a connection of their own in a worker
   thread (``checkpoint_in_background``, walcheckpoint.py), never inside a commit here.
-- Every public mutating method commits before it returns (autocommit, or one explicit
-  ``transaction()`` for multi-row changes), so a SIGKILL of the daemon never loses an
-  acknowledged metadata operation. ``synchronous = NORMAL`` makes commits survive a process
-  crash; ``make_durable()`` (called by fsync) makes them survive a power loss too.
+- Every public mutating method is safe from a SIGKILL before it returns (one *unit*: a
+  statement, or one explicit ``transaction()`` for multi-row changes), so a SIGKILL of the
+  daemon never loses an acknowledged metadata operation. By default each unit commits
+  (``synchronous = NORMAL`` makes commits survive a process crash). With group commit
+  (``defer_commits``, the mounted daemon) the units run in one transaction that
+  ``commit_batch`` commits every few milliseconds, and each unit is appended to the redo log
+  (redo.py) before it returns; opening the journal replays what the log holds beyond the last
+  commit. ``make_durable()`` (called by fsync) commits first and makes everything survive a
+  power loss too.
 - Rows whose ``parent`` is NULL (other than the root) are unlinked inodes that were still open;
   they are purged at the next start.
 
@@ -42,21 +47,31 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import operator
 import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from itertools import compress
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from ckptfs.errors import JournalCorrupt
+from ckptfs.state.redo import RedoLog, Statement, read_units
 from ckptfs.state.walcheckpoint import WalCheckpointer
+
+log = logging.getLogger(__name__)
+
+# Group commit: a batch commits this long after its first unit (redo.py). Short: a reader of
+# the database from another connection (an offline ``ckptfs retention --plan``) sees the
+# daemon's changes this late at most; long enough that a burst of creates shares commits.
+BATCH_INTERVAL = 0.01
 
 ROOT_INODE = 1
 SCHEMA_VERSION = 5
@@ -229,6 +244,13 @@ class Journal:
         # Rows committed closed whose files are still open here (``mark_open``).
         self._open_here: set[int] = set()
         self._background_checkpoints = False  # checkpoint_in_background was called
+        # Group commit (``defer_commits``): the redo log, the statements of the unit under
+        # way, the number of the last unit logged, and the number of units not committed.
+        self._redo: RedoLog | None = None
+        self._unit: list[Statement] | None = None
+        self._redo_seq = 0
+        self._uncommitted = 0
+        self.on_uncommitted: Callable[[], None] | None = None  # the first unit of a batch
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -236,6 +258,7 @@ class Journal:
             self._db.execute("PRAGMA foreign_keys = ON")
             self._db.executescript(_SCHEMA)
             self._check_version()
+            self._replay_redo()
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"cannot open journal {path}: {exc}") from exc
 
@@ -298,6 +321,9 @@ class Journal:
                              f" ({column}) WHERE {column} IS NOT NULL")
         self._db.execute("CREATE INDEX IF NOT EXISTS inodes_stamp ON inodes (stamp)"
                          " WHERE stamp IS NOT NULL")
+        self._load_version()
+
+    def _load_version(self) -> None:
         # The version counter (``next_version``): above every version a row or a sweep's
         # mark holds, so that a version made from now on is newer than every mark.
         found = self._db.execute(
@@ -313,7 +339,146 @@ class Journal:
             self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     def close(self) -> None:
+        self.commit_batch()
         self._db.close()
+        if self._redo is not None:
+            self._redo.close()
+
+    def abandon(self) -> None:
+        """Close as a SIGKILL would: what is not committed is rolled back, the redo log keeps
+        it (tests: a node killed; the next open replays the log)."""
+        self._db.close()
+        if self._redo is not None:
+            self._redo.close()
+
+    # -- group commit (redo.py) -----------------------------------------------------------
+
+    @property
+    def _redo_path(self) -> Path:
+        return Path(f"{self.path}-redo")
+
+    def _replay_redo(self) -> None:
+        """Units a killed run logged but did not commit, applied in their order (redo.py)."""
+        found = self._db.execute("SELECT value FROM meta WHERE key = 'redo_seq'").fetchone()
+        self._redo_seq = int(found[0]) if found else 0
+        units = read_units(self._redo_path, self._redo_seq)
+        if units:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for statements in units:
+                    for sql, params in statements:
+                        self._db.execute(sql, params)
+                self._redo_seq += len(units)
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('redo_seq', ?)",
+                                 (str(self._redo_seq),))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._load_version()
+        if self._redo_path.exists():
+            os.truncate(self._redo_path, 0)  # every unit in it is committed, or never will be
+
+    def defer_commits(self) -> None:
+        """Group commit from now on: units commit in batches (``commit_batch``), each safe in
+        the redo log before it returns. The caller commits the batches (mount.py: a few
+        milliseconds after the first unit of each) and closes the journal at the end."""
+        if self._redo is None:
+            self._redo = RedoLog(self._redo_path)
+
+    def commit_batch(self) -> None:
+        """Commit the units run since the last batch (nothing to do without group commit).
+        Not within a unit. If the commit fails (a full disk), the units stay in the redo log
+        and in the open transaction, or, if SQLite rolled it back, are run again from the
+        log: nothing acknowledged is lost, and the next call tries again."""
+        if self._redo is None or self._in_tx:
+            return
+        if not self._db.in_transaction:
+            self._uncommitted = 0
+            return
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('redo_seq', ?)",
+                         (str(self._redo_seq),))
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.Error:
+            if not self._db.in_transaction:
+                self._rerun_logged()
+            raise
+        self._uncommitted = 0
+        self._redo.clear()
+
+    def _rerun_logged(self) -> None:
+        """SQLite rolled the batch back (a failed COMMIT): run its units again from the log,
+        in a new transaction, so the database says what the requests were told."""
+        found = self._db.execute("SELECT value FROM meta WHERE key = 'redo_seq'").fetchone()
+        committed = int(found[0]) if found else 0
+        self._db.execute("BEGIN IMMEDIATE")
+        for statements in read_units(self._redo_path, committed):
+            for sql, params in statements:
+                self._db.execute(sql, params)
+        self._written.clear()
+
+    async def commit_batches(self, interval: float = BATCH_INTERVAL,
+                             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                             ) -> None:
+        """Group commit for as long as this runs (the mount's nursery): each batch commits
+        ``interval`` seconds after its first unit. The journal's ``close`` commits the last."""
+        self.defer_commits()
+        wake = [trio.Event()]
+        self.on_uncommitted = lambda: wake[0].set()
+        task_status.started()
+        try:
+            while True:
+                await wake[0].wait()
+                wake[0] = trio.Event()
+                await trio.sleep(interval)
+                try:
+                    self.commit_batch()
+                except sqlite3.Error as exc:
+                    # The units are safe in the redo log; the requests go on meanwhile.
+                    log.error("journal: group commit failed, trying again: %s", exc)
+                    await trio.sleep(1.0)
+                if self._uncommitted:
+                    wake[0].set()  # failed, or a unit was under way: again
+        finally:
+            self.on_uncommitted = None
+
+    @property
+    def uncommitted(self) -> int:
+        """Units run since the last batch committed (group commit only)."""
+        return self._uncommitted
+
+    def _write(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        """Run a statement that changes the database: in the unit under way, or as a unit of
+        its own."""
+        if self._redo is None:
+            return self._db.execute(sql, params)
+        if self._unit is not None:
+            cur = self._db.execute(sql, params)
+            self._unit.append((sql, params))
+            return cur
+        # A unit of one statement: ``_logged_unit`` inlined (two of these per create).
+        if not self._db.in_transaction:
+            self._db.execute("BEGIN IMMEDIATE")
+        self._db.execute("SAVEPOINT unit")
+        try:
+            cur = self._db.execute(sql, params)
+            self._redo.append(self._redo_seq + 1, [(sql, params)])
+        except BaseException:
+            self._written.clear()
+            self._db.execute("ROLLBACK TO unit")
+            self._db.execute("RELEASE unit")
+            raise
+        self._db.execute("RELEASE unit")
+        self._logged()
+        return cur
+
+    def _logged(self) -> None:
+        """A unit is in the redo log (and its savepoint released)."""
+        self._redo_seq += 1
+        self._uncommitted += 1
+        if self._uncommitted == 1 and self.on_uncommitted is not None:
+            self.on_uncommitted()
 
     @property
     def total_changes(self) -> int:
@@ -334,6 +499,10 @@ class Journal:
         if self._in_tx:
             yield
             return
+        if self._redo is not None:
+            with self._logged_unit():
+                yield
+            return
         self._db.execute("BEGIN IMMEDIATE")
         self._in_tx = True
         try:
@@ -350,6 +519,33 @@ class Journal:
                 raise
         finally:
             self._in_tx = False
+
+    @contextmanager
+    def _logged_unit(self) -> Iterator[None]:
+        """A unit under group commit: a savepoint in the batch's transaction, appended to the
+        redo log at its end (or rolled back, if it failed or the append did)."""
+        assert self._redo is not None
+        if not self._db.in_transaction:
+            self._db.execute("BEGIN IMMEDIATE")
+        self._db.execute("SAVEPOINT unit")
+        self._in_tx = True
+        self._unit = []
+        try:
+            yield
+            if self._unit:
+                self._redo.append(self._redo_seq + 1, self._unit)
+        except BaseException:
+            self._written.clear()  # it may hold values of the statements rolled back
+            self._db.execute("ROLLBACK TO unit")
+            self._db.execute("RELEASE unit")
+            raise
+        else:
+            self._db.execute("RELEASE unit")
+            if self._unit:
+                self._logged()
+        finally:
+            self._in_tx = False
+            self._unit = None
 
     def next_version(self) -> int:
         """A version number above every one this journal has handed out: a row takes one
@@ -372,6 +568,7 @@ class Journal:
         keeps the WAL short; with it, its thread does, and the loop waits for no more than
         the two fsyncs here.
         """
+        self.commit_batch()
         if not self._background_checkpoints:  # else its thread keeps the WAL short
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
         self._sync_files()
@@ -387,6 +584,7 @@ class Journal:
         frames it copies into the database itself before the WAL is reused. No PASSIVE
         checkpoint here: it would wait on the disk on the loop.
         """
+        self.commit_batch()
         await trio.to_thread.run_sync(self._sync_files)
 
     def _sync_files(self) -> None:
@@ -416,7 +614,7 @@ class Journal:
         if root is not None:
             return root
         now = time.time_ns()
-        self._db.execute(
+        self._write(
             "INSERT INTO inodes (ino, parent, name, mode, uid, gid, atime_ns, mtime_ns, ctime_ns,"
             " state) VALUES (?, NULL, NULL, ?, ?, ?, ?, ?, ?, ?)",
             (ROOT_INODE, mode, uid, gid, now, now, now, State.STAGED.value),
@@ -467,7 +665,7 @@ class Journal:
         enclosing transaction goes on)."""
         values = _values(row)
         try:
-            cur = self._db.execute(_INSERT, values)
+            cur = self._write(_INSERT, values)
         except sqlite3.IntegrityError as exc:
             if "inodes.parent, inodes.name" in str(exc):
                 raise NameTaken(row.name or b"") from None
@@ -493,7 +691,7 @@ class Journal:
         values = _values(row)
         last = self._written.get(row.ino)
         if last is None:
-            self._db.execute(_UPDATE_ALL, (*values, row.ino))
+            self._write(_UPDATE_ALL, (*values, row.ino))
         else:
             if values == last and tuple(map(type, values)) == tuple(map(type, last)):
                 return  # the usual case of a release: nothing to write
@@ -506,7 +704,7 @@ class Journal:
             if sets is None:
                 sets = _SETS[changed] = ("UPDATE inodes SET " + ", ".join(
                     _COLUMNS[1 + i] + " = ?" for i in changed) + " WHERE ino = ?")
-            self._db.execute(sets, (*(values[i] for i in changed), row.ino))
+            self._write(sets, (*(values[i] for i in changed), row.ino))
         self._remember(row.ino, values)
 
     def _remember(self, ino: int, values: tuple[object, ...]) -> None:
@@ -519,7 +717,7 @@ class Journal:
 
     def delete(self, ino: int) -> None:
         self._open_here.discard(ino)
-        self._db.execute("DELETE FROM inodes WHERE ino = ?", (ino,))
+        self._write("DELETE FROM inodes WHERE ino = ?", (ino,))
         self._written.pop(ino, None)
 
     def path_of(self, ino: int) -> bytes | None:
@@ -716,7 +914,7 @@ class Journal:
     # -- small named values of this node (``meta``; e.g. restore pins, pins.py) ------------
 
     def set_value(self, key: str, value: str) -> None:
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+        self._write("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     def values_under(self, prefix: str) -> dict[str, str]:
         rows = self._db.execute("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?",
@@ -724,7 +922,7 @@ class Journal:
         return {str(k): str(v) for k, v in rows}
 
     def drop_value(self, key: str) -> None:
-        self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
+        self._write("DELETE FROM meta WHERE key = ?", (key,))
 
     # -- fetched ranges of files not wholly local -------------------------------------------
 
@@ -734,9 +932,9 @@ class Journal:
 
     def set_ranges(self, ino: int, spans: list[tuple[int, int]]) -> None:
         with self.transaction():
-            self._db.execute("DELETE FROM ranges WHERE ino = ?", (ino,))
-            self._db.executemany("INSERT INTO ranges VALUES (?, ?, ?)",
-                                 [(ino, a, b) for a, b in spans])
+            self._write("DELETE FROM ranges WHERE ino = ?", (ino,))
+            for a, b in spans:
+                self._write("INSERT INTO ranges VALUES (?, ?, ?)", (ino, a, b))
 
     def inos_with_ranges(self) -> list[int]:
         return [int(r[0]) for r in self._db.execute("SELECT DISTINCT ino FROM ranges")]
@@ -744,10 +942,10 @@ class Journal:
     # -- keys hidden by unlink = "local-only" (kept remotely for retention) --------------------
 
     def hide(self, key: str) -> None:
-        self._db.execute("INSERT OR IGNORE INTO hidden VALUES (?)", (key,))
+        self._write("INSERT OR IGNORE INTO hidden VALUES (?)", (key,))
 
     def unhide(self, key: str) -> None:
-        self._db.execute("DELETE FROM hidden WHERE key = ?", (key,))
+        self._write("DELETE FROM hidden WHERE key = ?", (key,))
 
     def is_hidden(self, key: str) -> bool:
         return self._db.execute("SELECT 1 FROM hidden WHERE key = ?", (key,)).fetchone() is not None
@@ -799,7 +997,7 @@ class Journal:
         ``moved_to`` the key it was copied to if the deletion ends a move. ``keep``: the key
         is not deleted but overwritten by this node (a rename over a file): only the
         version's writer is told."""
-        cur = self._db.execute(
+        cur = self._write(
             "INSERT INTO tombstones (key, stamp, etag, moved_to, keep) VALUES (?, ?, ?, ?, ?)",
             (key, stamp, etag, moved_to, int(keep)))
         assert cur.lastrowid is not None
@@ -857,7 +1055,7 @@ class Journal:
     def drop_tombstone(self, tomb_id: int) -> None:
         """The deletion is done (or no longer needed)."""
         key = self.tombstone_key(tomb_id)
-        self._db.execute("DELETE FROM tombstones WHERE id = ?", (tomb_id,))
+        self._write("DELETE FROM tombstones WHERE id = ?", (tomb_id,))
         if key is not None:
             self._note_tombstone(key)  # deleted just now: a listing on its way may list it
 
@@ -868,8 +1066,8 @@ class Journal:
         removed (``new`` None): whatever other nodes committed under ``old`` is to be moved to
         ``new``, or deleted (upload.py ``_sweep``). Its mark is the version counter now: rows
         whose content is newer than the mark came after the rename."""
-        cur = self._db.execute("INSERT INTO sweeps (old, new, mark) VALUES (?, ?, ?)",
-                               (old, new, self._version))
+        cur = self._write("INSERT INTO sweeps (old, new, mark) VALUES (?, ?, ?)",
+                          (old, new, self._version))
         assert cur.lastrowid is not None
         return cur.lastrowid
 
@@ -889,8 +1087,8 @@ class Journal:
 
     def drop_sweep(self, sweep_id: int) -> None:
         with self.transaction():
-            self._db.execute("DELETE FROM sweeps WHERE id = ?", (sweep_id,))
-            self._db.execute("DELETE FROM sweep_plans WHERE sweep = ?", (sweep_id,))
+            self._write("DELETE FROM sweeps WHERE id = ?", (sweep_id,))
+            self._write("DELETE FROM sweep_plans WHERE sweep = ?", (sweep_id,))
 
     def sweep_plan(self, sweep_id: int) -> dict[str, str] | None:
         """The objects a sweep found under its old prefix at its first listing (key ->
@@ -903,8 +1101,8 @@ class Journal:
         return {str(k): str(v) for k, v in listed.items()}
 
     def set_sweep_plan(self, sweep_id: int, listed: dict[str, str]) -> None:
-        self._db.execute("INSERT OR REPLACE INTO sweep_plans (sweep, listed) VALUES (?, ?)",
-                         (sweep_id, json.dumps(listed, sort_keys=True)))
+        self._write("INSERT OR REPLACE INTO sweep_plans (sweep, listed) VALUES (?, ?)",
+                    (sweep_id, json.dumps(listed, sort_keys=True)))
 
     def tombstones_of(self, key: str) -> list[tuple[int, str | None]]:
         """(id, stamp) of the tombstones of ``key``."""
@@ -913,7 +1111,7 @@ class Journal:
 
     def drop_tombstones_for(self, key: str) -> list[int]:
         ids = [r[0] for r in self._db.execute("SELECT id FROM tombstones WHERE key = ?", (key,))]
-        self._db.execute("DELETE FROM tombstones WHERE key = ?", (key,))
+        self._write("DELETE FROM tombstones WHERE key = ?", (key,))
         return ids
 
     # -- xattrs ---------------------------------------------------------------------------
@@ -925,7 +1123,7 @@ class Journal:
         return bytes(found[0]) if found else None
 
     def xattr_set(self, ino: int, name: bytes, value: bytes) -> None:
-        self._db.execute(
+        self._write(
             "INSERT INTO xattrs VALUES (?, ?, ?) ON CONFLICT (ino, name) DO UPDATE SET"
             " value = excluded.value",
             (ino, name, value),
@@ -938,7 +1136,7 @@ class Journal:
         ]
 
     def xattr_remove(self, ino: int, name: bytes) -> bool:
-        cur = self._db.execute("DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
+        cur = self._write("DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
         return cur.rowcount > 0
 
 
