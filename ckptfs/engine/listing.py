@@ -324,7 +324,13 @@ class Lister:
                     row = self.ns.get(ino)
                 except CkptfsError:
                     continue
-                if row.remote_key != record.key or record.fate is Verdict.LOST:
+                if record.fate is Verdict.LOST:
+                    continue
+                if row.remote_key != record.key:
+                    # On its way to that key (a rename whose move is not carried yet; after
+                    # a power loss, a sweep whose end the journal forgot): the record decides
+                    # once the row is there, or when the uploader finds its object missing.
+                    keep = keep or self.keys.key_of(row) == record.key
                     continue
                 # A directory is acted on too: a power loss that rolls the journal back to
                 # before its marker's commit must find the record (``removed_dir_forgotten``).
