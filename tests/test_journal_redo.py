@@ -141,6 +141,27 @@ def test_a_redo_append_that_fails_fails_the_unit(tmp_path: Path,
     again.close()
 
 
+def test_a_reader_beside_the_live_writer_leaves_its_log_alone(tmp_path: Path) -> None:
+    """An offline tool opening the journal of a live daemon (``ckptfs retention --plan``)
+    sees what the daemon committed; it neither replays the daemon's units nor empties its
+    log, which a SIGKILL of the daemon then still needs."""
+    path = tmp_path / "journal.db"
+    journal = opened(path)
+    journal.set_value("k/a", "1")
+    journal.commit_batch()
+    journal.set_value("k/b", "2")
+    seen = state(journal)
+    log = Path(f"{path}-redo").read_bytes()
+    reader = Journal(path)
+    assert reader.values_under("k/") == {"k/a": "1"}
+    reader.close()
+    assert Path(f"{path}-redo").read_bytes() == log
+    journal.abandon()
+    again = opened(path)
+    assert state(again) == seen
+    again.close()
+
+
 def test_make_durable_commits_the_batch_first(tmp_path: Path) -> None:
     path = tmp_path / "journal.db"
     journal = opened(path)

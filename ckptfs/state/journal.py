@@ -63,7 +63,8 @@ from typing import Any
 import trio
 
 from ckptfs.errors import JournalCorrupt
-from ckptfs.state.redo import RedoLog, Statement, read_units
+from ckptfs.state.redo import RedoLog, RedoLogBusy, Statement, read_units
+from ckptfs.state.redo import lock as redo_lock
 from ckptfs.state.walcheckpoint import WalCheckpointer
 
 log = logging.getLogger(__name__)
@@ -358,10 +359,26 @@ class Journal:
         return Path(f"{self.path}-redo")
 
     def _replay_redo(self) -> None:
-        """Units a killed run logged but did not commit, applied in their order (redo.py)."""
+        """Units a killed run logged but did not commit, applied in their order (redo.py).
+        Not while a live daemon writes the log (its lock is taken): its units are its own,
+        and this connection sees what it committed."""
         found = self._db.execute("SELECT value FROM meta WHERE key = 'redo_seq'").fetchone()
         self._redo_seq = int(found[0]) if found else 0
-        units = read_units(self._redo_path, self._redo_seq)
+        try:
+            fd = os.open(self._redo_path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            try:
+                redo_lock(fd, self._redo_path)
+            except RedoLogBusy:
+                return
+            self._replay_units(read_units(self._redo_path, self._redo_seq))
+            os.ftruncate(fd, 0)  # every unit in it is committed now, or never will be
+        finally:
+            os.close(fd)  # and the lock with it
+
+    def _replay_units(self, units: list[list[Statement]]) -> None:
         if units:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -376,8 +393,6 @@ class Journal:
                 self._db.execute("ROLLBACK")
                 raise
             self._load_version()
-        if self._redo_path.exists():
-            os.truncate(self._redo_path, 0)  # every unit in it is committed, or never will be
 
     def defer_commits(self) -> None:
         """Group commit from now on: units commit in batches (``commit_batch``), each safe in

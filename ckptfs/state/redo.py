@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import marshal
 import os
 import struct
@@ -41,12 +42,33 @@ _HEADER = struct.Struct("<II")
 Statement = tuple[str, tuple[Any, ...]]
 
 
+class RedoLogBusy(Exception):
+    """Another process writes this redo log (a live daemon on the same staging directory)."""
+
+
+def lock(fd: int, path: Path) -> None:
+    """Take the log's lock (``flock``, released when the process dies, a SIGKILL too): its
+    writer holds it while it may append; a process opening the journal beside a live daemon
+    (an offline ``ckptfs retention --plan``) finds it taken and neither replays nor empties
+    the log, whose units are the daemon's, not committed yet."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RedoLogBusy(f"{path} is in use by another process") from None
+
+
 class RedoLog:
-    """Appends units to ``path`` and reads them back (one writer: the journal's thread)."""
+    """Appends units to ``path`` and reads them back (one writer: the journal's thread, which
+    holds the log's lock while the log is open)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            lock(self._fd, path)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._size = os.fstat(self._fd).st_size
 
     def append(self, seq: int, statements: list[Statement]) -> None:
