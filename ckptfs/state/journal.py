@@ -420,7 +420,10 @@ class Journal:
                 self._rerun_logged()
             raise
         self._uncommitted = 0
-        self._redo.clear()
+        try:
+            self._redo.clear()
+        except OSError as exc:  # its units are committed: a replay skips them (redo_seq)
+            log.warning("journal: could not empty the redo log: %s", exc)
 
     def _rerun_logged(self) -> None:
         """SQLite rolled the batch back (a failed COMMIT): run its units again from the log,
