@@ -5,6 +5,7 @@ server checks who connects (control.py), but cannot list it; every file in it is
 ``data`` is 0700)::
 
     <staging>/journal.db   the journal (journal.py)
+    <staging>/journal.db-redo  its changes not committed yet (redo.py; group commit)
     <staging>/data/<ino>   the bytes of inode <ino>, sparse where nothing was written
     <staging>/trash/<ino>.<n>  data files taken out of the way, waiting for their unlink
     <staging>/lock         flock()ed by the one daemon that owns this directory
