@@ -15,7 +15,10 @@ Format: records ``<length u32><crc32 u32><payload>``, the payload ``marshal`` of
 Invariants:
 - A unit is in this log before the request that made it returns, or it is rolled back in the
   database (a failed append: the request fails, nothing is half done).
-- The log is emptied only after the transaction holding its units committed.
+- The log is emptied (its next unit written at its start) only after the transaction
+  holding its units committed. Its file keeps its blocks: what lies behind the last unit
+  written are older units, all committed. A journal that opens empties the file first
+  (after replaying it), so no unit of a history the database does not have stays in it.
 - Replay (at open) applies the units numbered ``redo_seq + 1, + 2, ...`` in order and stops at
   the first gap, short record or checksum mismatch: the journal is then at a *prefix* of what
   happened, as after a power loss, never at a state with a unit missing in the middle. A power
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 _HEADER = struct.Struct("<II")
+PREALLOCATE = 1 << 20  # bytes of the log's file taken when it opens (``RedoLog``)
 
 Statement = tuple[str, tuple[Any, ...]]
 
@@ -63,36 +67,41 @@ class RedoLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             lock(self._fd, path)
         except BaseException:
             os.close(self._fd)
             raise
-        self._size = os.fstat(self._fd).st_size
+        self._offset = 0  # where the next unit goes
+        # Blocks taken now, and reused from the start after every commit (never truncated,
+        # as SQLite reuses its WAL): when the writers fill the disk to the last byte, the
+        # units of the uploads and evictions that free it still have room.
+        try:
+            os.posix_fallocate(self._fd, 0, PREALLOCATE)
+        except OSError:
+            pass  # a full disk now: the log grows as it must
 
     def append(self, seq: int, statements: list[Statement]) -> None:
-        """One unit; OSError (a full disk) leaves the log as it was."""
+        """One unit, after those since the last ``clear``; OSError (a full disk): not in the
+        log (the next unit goes to the same place, over whatever part of it was written)."""
         payload = marshal.dumps((seq, statements))
         record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-        try:
-            written = os.write(self._fd, record)
-            if written != len(record):
-                raise OSError(f"short write to {self.path} ({written} of {len(record)} bytes)")
-        except BaseException:
-            os.ftruncate(self._fd, self._size)  # no torn record in front of the next one
-            raise
-        self._size += len(record)
+        written = os.pwrite(self._fd, record, self._offset)
+        if written != len(record):
+            raise OSError(f"short write to {self.path} ({written} of {len(record)} bytes)")
+        self._offset += len(record)
 
     def clear(self) -> None:
-        """Every unit in the log is committed in the database."""
-        if self._size:
-            os.ftruncate(self._fd, 0)
-            self._size = 0
+        """Every unit in the log is committed in the database: the next goes at the start.
+        What is left behind it are units numbered at or below the database's ``redo_seq``,
+        which ``read_units`` skips."""
+        self._offset = 0
 
     @property
     def size(self) -> int:
-        return self._size
+        """Bytes of units not committed yet."""
+        return self._offset
 
     def close(self) -> None:
         os.close(self._fd)
@@ -110,6 +119,8 @@ def read_units(path: Path, after: int) -> list[list[Statement]]:
     offset = 0
     while offset + _HEADER.size <= len(data):
         length, crc = _HEADER.unpack_from(data, offset)
+        if length == 0:
+            break  # the zeros of the preallocated space: the end
         payload = data[offset + _HEADER.size:offset + _HEADER.size + length]
         if len(payload) != length or zlib.crc32(payload) != crc:
             break  # a torn or damaged tail (a power loss): the prefix before it stands
