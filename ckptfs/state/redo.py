@@ -6,7 +6,7 @@ FUSE request: a create then costs no commit of its own (no locks taken and relea
 pages written for it alone). A request is still acknowledged only once its change is safe from
 a SIGKILL: each *unit* (one ``transaction()``, or one statement outside any) is appended here,
 as the statements it ran and their parameters, before the request returns. The append is one
-``write(2)`` into the page cache, which survives the process.
+``pwrite(2)`` into the page cache, which survives the process.
 
 Format: records ``<length u32><crc32 u32><payload>``, the payload ``marshal`` of
 ``(seq, [(sql, params), ...])``. ``seq`` numbers units from the last one the database holds
@@ -22,9 +22,11 @@ Invariants:
 - Replay (at open) applies the units numbered ``redo_seq + 1, + 2, ...`` in order and stops at
   the first gap, short record or checksum mismatch: the journal is then at a *prefix* of what
   happened, as after a power loss, never at a state with a unit missing in the middle. A power
-  loss may leave any tail of this log (it is never fsynced: ``make_durable`` commits first, and
-  the database carries durability) or old records a truncation had dropped; their numbers say
-  which are the next ones.
+  loss may leave any part of this log (it is never fsynced: ``make_durable`` commits first, and
+  the database carries durability), older units the new ones had overwritten included; their
+  numbers say which are the next ones.
+- One writer: the process that appends holds the log's lock (``lock``); a process that finds
+  it taken (a tool opening the journal beside the live daemon) neither replays nor empties it.
 - The statements are deterministic given the database they run on (every value is a
   parameter; ``INTEGER PRIMARY KEY AUTOINCREMENT`` numbers from the database's own state), so
   replaying a unit on the state it ran on gives what it gave.
