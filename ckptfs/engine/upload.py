@@ -699,7 +699,7 @@ class Uploader:
         upload = row.state in (State.STAGED, State.UPLOADING) and not row.incomplete
         if not move and not upload:
             return key, None, False
-        if self._swept_later(key) or self._moves_out_later(row, key):
+        if self._waits_for_sweep_at(row, key):
             # Into a directory renamed or removed, or out of one renamed, whose sweep has not
             # run yet: the sweep moves it (``_sweep``), and nothing new goes under the old
             # name before the sweep has carried (or deleted) what other nodes closed there.
@@ -797,7 +797,10 @@ class Uploader:
             row = self.ns.get(ino)
         except NotFound:
             return False
-        key = self.keys.key_of(row)
+        return self._waits_for_sweep_at(row, self.keys.key_of(row))
+
+    def _waits_for_sweep_at(self, row: Row, key: str | None) -> bool:
+        """``_waits_for_sweep`` for ``row``, whose key is ``key``."""
         return self._swept_later(key) or self._moves_out_later(row, key)
 
     def _behind_sweep(self, ino: int) -> bool:
@@ -810,14 +813,14 @@ class Uploader:
             return False
         seen: set[int] = set()
         while ino not in seen:
-            if self._waits_for_sweep(ino):
-                return True
             seen.add(ino)
             try:
                 row = self.ns.get(ino)
             except NotFound:
                 return False
             key = self.keys.key_of(row)
+            if self._waits_for_sweep_at(row, key):
+                return True
             if key is None:
                 return False
             blocker, cycle = self.keys.blocker(row, key)

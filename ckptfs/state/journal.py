@@ -362,8 +362,7 @@ class Journal:
         """Units a killed run logged but did not commit, applied in their order (redo.py).
         Not while a live daemon writes the log (its lock is taken): its units are its own,
         and this connection sees what it committed."""
-        found = self._db.execute("SELECT value FROM meta WHERE key = 'redo_seq'").fetchone()
-        self._redo_seq = int(found[0]) if found else 0
+        self._redo_seq = self._committed_redo_seq()
         try:
             fd = os.open(self._redo_path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -382,12 +381,9 @@ class Journal:
         if units:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                for statements in units:
-                    for sql, params in statements:
-                        self._db.execute(sql, params)
+                self._run_units(units)
                 self._redo_seq += len(units)
-                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('redo_seq', ?)",
-                                 (str(self._redo_seq),))
+                self._note_redo_seq()
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -411,8 +407,7 @@ class Journal:
         if not self._db.in_transaction:
             self._uncommitted = 0
             return
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('redo_seq', ?)",
-                         (str(self._redo_seq),))
+        self._note_redo_seq()
         try:
             self._db.execute("COMMIT")
         except sqlite3.Error:
@@ -428,13 +423,31 @@ class Journal:
     def _rerun_logged(self) -> None:
         """SQLite rolled the batch back (a failed COMMIT): run its units again from the log,
         in a new transaction, so the database says what the requests were told."""
-        found = self._db.execute("SELECT value FROM meta WHERE key = 'redo_seq'").fetchone()
-        committed = int(found[0]) if found else 0
         self._db.execute("BEGIN IMMEDIATE")
-        for statements in read_units(self._redo_path, committed):
+        self._run_units(read_units(self._redo_path, self._committed_redo_seq()))
+        self._written.clear()
+
+    def _committed_redo_seq(self) -> int:
+        """The number of the last unit the database holds (0: none logged yet)."""
+        found = self._db.execute("SELECT value FROM meta WHERE key = 'redo_seq'").fetchone()
+        return int(found[0]) if found else 0
+
+    def _note_redo_seq(self) -> None:
+        """In the transaction about to commit: its units are those up to ``_redo_seq``."""
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('redo_seq', ?)",
+                         (str(self._redo_seq),))
+
+    def _run_units(self, units: list[list[Statement]]) -> None:
+        """Run logged units again, in the transaction under way (not logged again)."""
+        for statements in units:
             for sql, params in statements:
                 self._db.execute(sql, params)
-        self._written.clear()
+
+    def _undo_unit(self) -> None:
+        """The unit under way failed (or its append did): back to its savepoint."""
+        self._written.clear()  # it may hold values of the statements rolled back
+        self._db.execute("ROLLBACK TO unit")
+        self._db.execute("RELEASE unit")
 
     async def commit_batches(self, interval: float = BATCH_INTERVAL,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -483,9 +496,7 @@ class Journal:
             cur = self._db.execute(sql, params)
             self._redo.append(self._redo_seq + 1, [(sql, params)])
         except BaseException:
-            self._written.clear()
-            self._db.execute("ROLLBACK TO unit")
-            self._db.execute("RELEASE unit")
+            self._undo_unit()
             raise
         self._db.execute("RELEASE unit")
         self._logged()
@@ -553,9 +564,7 @@ class Journal:
             if self._unit:
                 self._redo.append(self._redo_seq + 1, self._unit)
         except BaseException:
-            self._written.clear()  # it may hold values of the statements rolled back
-            self._db.execute("ROLLBACK TO unit")
-            self._db.execute("RELEASE unit")
+            self._undo_unit()
             raise
         else:
             self._db.execute("RELEASE unit")
