@@ -569,6 +569,12 @@ class Runner:
         for path, cid in found.planned.items():
             if self.ref.files.get(path) == cid:
                 self.ref.unlink(found.node, path)
+        # Retention deletes the checkpoint's directories too (``rm -r``), those that hold no
+        # file the plan did not see.
+        for path in self.ref.under(found.checkpoint):
+            if path in self.ref.dirs and not any(
+                    f.startswith(path + "/") for f in self.ref.files):
+                self.ref.rmtree(found.node, path)
         self.steps.append(f"  applied plan {op.n}")
 
     # -- the end ------------------------------------------------------------------------------

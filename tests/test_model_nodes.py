@@ -486,6 +486,30 @@ REMOVED_AFTER_A_SWEEP_THE_POWER_LOSS_FORGOT = (2, [
     Op("pause", 0, n=1), Op("rename", 1, "step1", "step2"), Op("pause", 0, n=1),
     Op("unlink", 0, "step2/a"), Op("power", 1)])
 
+# A file renamed over another node's file, then renamed on before its move got there: the
+# rename over it only told the old version's writer that it was replaced, and nothing ever
+# overwrote or deleted that version (seed 374; deterministic, and on the last stop's code too).
+RENAMED_ON_BEFORE_IT_OVERWROTE = (3, [
+    Op("write", 0, "step2/a"), Op("unlink", 0, "step2/a"), Op("write", 0, "step2/.metadata"),
+    Op("write", 0, "step2.tmp/a"), Op("rename", 2, "step2.tmp/a", "step2/.metadata"),
+    Op("write", 0, "step1/a"), Op("unlink", 0, "step1/a"),
+    Op("rename", 2, "step2/.metadata", "step1/a")])
+
+# Node 1 rewrote node 0's file and lost power before its upload; node 0 renamed the directory,
+# node 1 (its hold forgotten) put its rewrite under the new name, and node 0's sweep then
+# copied the old version over it, though a record in node 0's mailbox said node 1 had
+# replaced it (seed 376; deterministic, and on the last stop's code too).
+SWEPT_OVER_A_RECORDED_REWRITE = (2, [
+    Op("write", 0, "step1/b"), Op("write", 1, "step1/b"), Op("write", 0, "step1/a"),
+    Op("rename", 0, "step1", "step2"), *[Op("write", 0, "step1/a")] * 8, Op("power", 1)])
+
+# Not a fault of ckptfs but of the reference: retention's deletion of a checkpoint removed
+# its directory too, everywhere, while the reference kept it (seed 368, shrunk from 20 ops).
+RETENTION_REMOVES_THE_DIRECTORY = (2, [
+    Op("slow", 0, n=4), Op("write", 0, "step1/n0.done"), Op("write", 0, "step2/.metadata"),
+    Op("write", 0, "step1/b"), Op("unlink", 0, "step1/b"), Op("plan", 0, "step1"),
+    Op("apply", 0)])
+
 FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "marker-in-tmp-commit": MARKER_IN_TMP_COMMIT, "rewrite-after-plan": REWRITE_AFTER_PLAN,
          "link-after-head-deleted": LINK_AFTER_HEAD_DELETED,
@@ -544,7 +568,10 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "replaced-marker-carried": REPLACED_MARKER_CARRIED,
          "replaced-foreign-marker-carried": REPLACED_FOREIGN_MARKER_CARRIED,
          "removed-after-a-sweep-the-power-loss-forgot":
-             REMOVED_AFTER_A_SWEEP_THE_POWER_LOSS_FORGOT}
+             REMOVED_AFTER_A_SWEEP_THE_POWER_LOSS_FORGOT,
+         "renamed-on-before-it-overwrote": RENAMED_ON_BEFORE_IT_OVERWROTE,
+         "swept-over-a-recorded-rewrite": SWEPT_OVER_A_RECORDED_REWRITE,
+         "retention-removes-the-directory": RETENTION_REMOVES_THE_DIRECTORY}
 
 
 @pytest.mark.parametrize("program", list(FOUND.values()), ids=list(FOUND))

@@ -251,6 +251,8 @@ class Uploader:
         self._sweeping: dict[int, str] = {}
         # ... and its new prefix (None: a removal).
         self._sweep_to: dict[int, str | None] = {}
+        # Tombstones that keep their key (a rename over another node's file: ``_keep_waits``).
+        self._keeping: set[int] = set()
         self.keys = keys if keys is not None else KeyClaims(journal, ns)
         # Stamps of uploads, records of what this node does to other nodes' versions.
         self.peers = peers if peers is not None else Peers(tier)
@@ -303,6 +305,8 @@ class Uploader:
             self._queue(("ino", row.ino))
 
     def tombstone_added(self, tomb_id: int, key: str) -> None:
+        if self.journal.tombstone_pin(tomb_id)[3]:
+            self._keeping.add(tomb_id)
         self._queue(("tomb", tomb_id))
 
     def sweep_added(self, sweep_id: int) -> None:
@@ -649,7 +653,7 @@ class Uploader:
                 return False
             sweep = work.key[0] == "sweep"
             if marker and floor < work.seq and (
-                    not (sweep or self._sweeping)
+                    not (sweep or self._sweeping or self._keeping)
                     or self._before(work.seq, sweep, None if sweep else target)):
                 return False
             if marker and self.coordinator is not None and \
@@ -672,7 +676,8 @@ class Uploader:
         which it notes in ``waits``."""
         if work.key[0] == "tomb":
             key = self.journal.tombstone_key(work.key[1])
-            if key is not None and self._carried_later(key, work.seq):
+            if key is not None and (self._carried_later(key, work.seq)
+                                    or self._keep_waits(work.key[1], key)):
                 return None
             return key, None, False
         if work.key[0] == "sweep":
@@ -739,14 +744,40 @@ class Uploader:
         does not wait for deletions of old copies either: a directory's old key on a file
         tier can go only once the sweep has moved what is under it. A marker (its key
         ``marker``) waits only for the sweeps of directories related to its own (above it,
-        below it, or it: ``_related``), not for another checkpoint's rename or removal."""
+        below it, or it: ``_related``), not for another checkpoint's rename or removal.
+        Nor does anything wait for a tombstone that waits for the file renamed over its key
+        (``_keep_waits``): that file may be the marker."""
         if any(s < seq for s in self._closing.values()):
             return True
         return any(w.seq < seq and not (sweep and w.key[0] == "tomb")
                    and not (w.key[0] == "ino" and self._waits_for_sweep(w.key[1]))
+                   and not (w.key[0] == "tomb" and self._keep_waits(w.key[1]))
                    and not (marker is not None and w.key[0] == "sweep"
                             and not self._related(w.key[1], marker))
                    for w in (*self._pending.values(), *self._inflight.values()))
+
+    def _keep_waits(self, tomb_id: int, key: str | None = None) -> bool:
+        """Whether ``tomb_id`` is a tombstone that keeps its key ``key`` (a rename here over
+        another node's file: the moved file overwrites that version, whose writer is told)
+        and waits for the file renamed over it to get there. Until then the job may rename
+        that file on or remove it, and then nothing overwrites the old version: the
+        tombstone deletes it instead (``_reconcile``). A file that came back incomplete
+        after a power loss is not waited for (it is never uploaded as it is)."""
+        if tomb_id not in self._keeping:
+            return False
+        if key is None:
+            key = self.journal.tombstone_key(tomb_id)
+        row = None if key is None else self._overwriter(key)
+        return row is not None and not row.incomplete and row.remote_key != key and (
+            row.state in (State.STAGED, State.UPLOADING) or self.keys.is_move(row, key))
+
+    def _overwriter(self, key: str) -> Row | None:
+        """The file of this node whose copy goes to the file key ``key`` (it is named so
+        here), if any."""
+        row = self.ns.entry_at(key)
+        if row is None or not stat.S_ISREG(row.mode) or self.keys.key_of(row) != key:
+            return None
+        return row
 
     def _related(self, sweep_id: int, key: str) -> bool:
         """Whether the pending sweep ``sweep_id`` moves or removes anything in the directory
@@ -965,6 +996,11 @@ class Uploader:
                 # the object is its data now, not garbage. A key hidden by a local-only
                 # unlink is kept for retention.
                 stamp, etag, moved_to, keep = self.journal.tombstone_pin(ident)
+                if keep and self._overwriter(key) is None:
+                    # The file renamed over it was renamed on or removed before its copy got
+                    # there (``_keep_waits``): nothing overwrites the version, which goes as
+                    # the job removed it.
+                    keep = False
                 if keep:
                     # Overwritten here, not deleted (a rename over another node's file): its
                     # writer is told that version is gone.
@@ -983,6 +1019,7 @@ class Uploader:
                     await self.peers.record(stamp, key, Verdict.MOVED if moved_to
                                             else Verdict.DELETED, to=moved_to)
                 self.journal.drop_tombstone(ident)
+            self._keeping.discard(ident)
             return
         if kind == "sweep":
             await self._sweep(ident)
@@ -1131,6 +1168,7 @@ class Uploader:
             await self.peers.record(stamp, key, Verdict.DELETED)
         for tomb_id in self.journal.drop_tombstones_for(key):
             self._pending.pop(("tomb", tomb_id), None)
+            self._keeping.discard(tomb_id)
 
     async def _upload(self, work: Work, row: Row, key: str) -> None:
         # A hard link's extra name (an alias) is put from its head's staging file: the same
@@ -1477,12 +1515,18 @@ class Uploader:
         to delete, with where each went (None: not copied, a newer one is there)."""
         out: list[tuple[ObjectInfo, str | None]] = []
         limit = trio.CapacityLimiter(self.concurrency)
+        # Versions another node removed, replaced or moved (a record says): not carried.
+        recorded = set() if self.lister is None else await self.peers.recorded(
+            (i.meta.stamp, i.key) for i in infos if i.meta_known and i.meta.stamp)
 
         async def one(listed: ObjectInfo) -> None:
             async with limit:
                 info = await self._described(listed)
                 if info is None or self._held(info.key, mark):
                     return  # gone meanwhile, or a row changed here since carries it
+                if (info.meta.stamp, info.key) in recorded:
+                    await self._drop_recorded(info)
+                    return
                 target = new + info.key[len(old):]
                 if self._lives_elsewhere(info.key, target):
                     return  # renamed before the directory: its own move carries it
@@ -1498,6 +1542,27 @@ class Uploader:
             for info in infos:
                 nursery.start_soon(one, info)
         return out
+
+    async def _drop_recorded(self, info: ObjectInfo) -> None:
+        """A version under a renamed directory that a record says another node deleted,
+        replaced or moved (peers.py): the job had another file under that name when it
+        renamed the directory, or none, and that node carries it out. Carried, the version
+        would stand at the new name over what that node puts there (its rewrite, closed
+        before the rename, uploaded after a power loss to where the rename took it). It is
+        deleted instead, with no record (its writer has one), and the rows of this node
+        that view it go, as the record would have them go once it is gone (listing.py
+        ``apply_records``); the listing of the new name shows what is there."""
+        for row in self._holder_rows(info.key):
+            if row.stamp != info.meta.stamp:
+                return  # a row of this node holds another version there: it decides
+            assert self.lister is not None
+            if not self.lister.drop_removed(row):
+                raise NotEmptyYet(f"{info.key}: removed by another node, open here")
+        try:
+            await self.tier.delete(info.key, if_etag=info.etag)
+        except (ObjectMissing, PreconditionFailed):
+            pass  # gone already, or written again since (after the rename: not the job's)
+        self._deleted_one()
 
     def _holder_rows(self, key: str) -> list[Row]:
         """The live rows of this node whose committed copy is at ``key``."""
