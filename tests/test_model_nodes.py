@@ -497,11 +497,14 @@ RENAMED_ON_BEFORE_IT_OVERWROTE = (3, [
 
 # Node 1 rewrote node 0's file and lost power before its upload; node 0 renamed the directory,
 # node 1 (its hold forgotten) put its rewrite under the new name, and node 0's sweep then
-# copied the old version over it, though a record in node 0's mailbox said node 1 had
-# replaced it (seed 376; deterministic, and on the last stop's code too).
-SWEPT_OVER_A_RECORDED_REWRITE = (2, [
+# copied the old version over it (seed 376; deterministic, and on the last stop's code too).
+# The same with the tmp dir's commit marker (seed 392).
+SWEPT_OVER_A_LATE_REWRITE = (2, [
     Op("write", 0, "step1/b"), Op("write", 1, "step1/b"), Op("write", 0, "step1/a"),
     Op("rename", 0, "step1", "step2"), *[Op("write", 0, "step1/a")] * 8, Op("power", 1)])
+SWEPT_OVER_A_LATE_MARKER_REWRITE = (2, [
+    Op("write", 0, "step1.tmp/.metadata"), Op("sync", 0), Op("write", 1, "step1.tmp/.metadata"),
+    Op("rename", 0, "step1.tmp", "step1"), *[Op("write", 0, "step1/a")] * 5, Op("power", 1)])
 
 # Not a fault of ckptfs but of the reference: retention's deletion of a checkpoint removed
 # its directory too, everywhere, while the reference kept it (seed 368, shrunk from 20 ops).
@@ -570,7 +573,8 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "removed-after-a-sweep-the-power-loss-forgot":
              REMOVED_AFTER_A_SWEEP_THE_POWER_LOSS_FORGOT,
          "renamed-on-before-it-overwrote": RENAMED_ON_BEFORE_IT_OVERWROTE,
-         "swept-over-a-recorded-rewrite": SWEPT_OVER_A_RECORDED_REWRITE,
+         "swept-over-a-late-rewrite": SWEPT_OVER_A_LATE_REWRITE,
+         "swept-over-a-late-marker-rewrite": SWEPT_OVER_A_LATE_MARKER_REWRITE,
          "retention-removes-the-directory": RETENTION_REMOVES_THE_DIRECTORY}
 
 

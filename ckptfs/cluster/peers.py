@@ -268,26 +268,6 @@ class Peers:
                 found.append(record)
         return found
 
-    async def recorded(self, versions: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Of ``versions`` ((stamp, key) pairs, of any node), those another node deleted,
-        replaced or moved: a record of that version at that key is in its writer's mailbox.
-        Each record is written after the action is journaled and before it is done in the
-        store, so a version with one is on its way out. One listing per writer's run; a
-        body is read only for a match."""
-        wanted = {record_key(stamp, key): (stamp, key) for stamp, key in versions
-                  if writer_of(stamp) is not None}
-        runs = {path.rpartition("/")[0].rpartition(".")[0] + "." for path in wanted}
-        found: set[tuple[str, str]] = set()
-        for prefix in sorted(runs):
-            for info in await self.tier.list(prefix):
-                version = wanted.get(info.key)
-                if version is None:
-                    continue
-                record = await self._read(info.key)
-                if record is not None and record.fate in (Verdict.DELETED, Verdict.MOVED):
-                    found.add(version)
-        return found
-
     async def _read(self, path: str) -> Record | None:
         parsed = _parse_path(path)
         if parsed is None:

@@ -1515,23 +1515,24 @@ class Uploader:
         to delete, with where each went (None: not copied, a newer one is there)."""
         out: list[tuple[ObjectInfo, str | None]] = []
         limit = trio.CapacityLimiter(self.concurrency)
-        # Versions another node removed, replaced or moved (a record says): not carried.
-        recorded = set() if self.lister is None else await self.peers.recorded(
-            (i.meta.stamp, i.key) for i in infos if i.meta_known and i.meta.stamp)
 
         async def one(listed: ObjectInfo) -> None:
             async with limit:
                 info = await self._described(listed)
                 if info is None or self._held(info.key, mark):
                     return  # gone meanwhile, or a row changed here since carries it
-                if (info.meta.stamp, info.key) in recorded:
-                    await self._drop_recorded(info)
-                    return
                 target = new + info.key[len(old):]
                 if self._lives_elsewhere(info.key, target):
                     return  # renamed before the directory: its own move carries it
                 if self._replaced_here(info.key, target):
                     out.append((info, None))  # not the job's file at that name any more
+                    return
+                newer = await self._put_there_since(info, target)
+                if newer is not None:
+                    # The file's version at its new name: the rows holding the old one take
+                    # it, and the old one goes, as the job replaced it.
+                    self._follow(dataclasses.replace(newer, key=info.key), target)
+                    out.append((info, None))
                     return
                 copied = await self._sweep_file(info, target, mark)
                 if copied:
@@ -1543,26 +1544,24 @@ class Uploader:
                 nursery.start_soon(one, info)
         return out
 
-    async def _drop_recorded(self, info: ObjectInfo) -> None:
-        """A version under a renamed directory that a record says another node deleted,
-        replaced or moved (peers.py): the job had another file under that name when it
-        renamed the directory, or none, and that node carries it out. Carried, the version
-        would stand at the new name over what that node puts there (its rewrite, closed
-        before the rename, uploaded after a power loss to where the rename took it). It is
-        deleted instead, with no record (its writer has one), and the rows of this node
-        that view it go, as the record would have them go once it is gone (listing.py
-        ``apply_records``); the listing of the new name shows what is there."""
-        for row in self._holder_rows(info.key):
-            if row.stamp != info.meta.stamp:
-                return  # a row of this node holds another version there: it decides
-            assert self.lister is not None
-            if not self.lister.drop_removed(row):
-                raise NotEmptyYet(f"{info.key}: removed by another node, open here")
+    async def _put_there_since(self, info: ObjectInfo, target: str) -> ObjectInfo | None:
+        """Another node's version of the file at ``target``, the new name of ``info``'s, if
+        the store holds one (None if it holds nothing, this node's, or ``info``'s own). After
+        the barrier a node writes a file under the new name only after the rename: a file
+        written there since, or one it closed under the old name before and uploaded late to
+        where the rename took it (its hold forgotten after a power loss, its rewrite of a
+        file this node wrote). Either is the job's later version of that name: copied over
+        it, the old one would stand there for good. (A HEAD, then the copy: a put landing
+        between the two is still overwritten; ``Tier.copy`` has no condition on its target.)"""
         try:
-            await self.tier.delete(info.key, if_etag=info.etag)
-        except (ObjectMissing, PreconditionFailed):
-            pass  # gone already, or written again since (after the rename: not the job's)
-        self._deleted_one()
+            there = await self.tier.head(target)
+        except ObjectMissing:
+            return None
+        stamp = there.meta.stamp
+        if stamp is None or stamp == info.meta.stamp or not self.peers.foreign(stamp) or \
+                there.meta.kind is not Kind.FILE:
+            return None
+        return there
 
     def _holder_rows(self, key: str) -> list[Row]:
         """The live rows of this node whose committed copy is at ``key``."""
