@@ -443,11 +443,20 @@ class Journal:
             for sql, params in statements:
                 self._db.execute(sql, params)
 
-    def _undo_unit(self) -> None:
-        """The unit under way failed (or its append did): back to its savepoint."""
+    def _undo_unit(self, ran: bool) -> None:
+        """The unit under way failed, or its append did; ``ran``: statements of it had run.
+        Units take no savepoint (two statements each, on every request that changes
+        anything): a statement that fails undoes itself, so a unit that failed at its first
+        statement has nothing to undo. Otherwise (a statement failed after others, a check
+        between them raised, the append failed, or SQLite rolled the whole transaction back
+        on a full disk) the batch goes and its logged units run again from the log: the
+        database then says exactly what the requests before were told (rare)."""
+        if not ran and self._db.in_transaction:
+            return
         self._written.clear()  # it may hold values of the statements rolled back
-        self._db.execute("ROLLBACK TO unit")
-        self._db.execute("RELEASE unit")
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+        self._rerun_logged()
 
     async def commit_batches(self, interval: float = BATCH_INTERVAL,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -491,19 +500,21 @@ class Journal:
         # A unit of one statement: ``_logged_unit`` inlined (two of these per create).
         if not self._db.in_transaction:
             self._db.execute("BEGIN IMMEDIATE")
-        self._db.execute("SAVEPOINT unit")
         try:
             cur = self._db.execute(sql, params)
+        except BaseException:
+            self._undo_unit(ran=False)
+            raise
+        try:
             self._redo.append(self._redo_seq + 1, [(sql, params)])
         except BaseException:
-            self._undo_unit()
+            self._undo_unit(ran=True)
             raise
-        self._db.execute("RELEASE unit")
         self._logged()
         return cur
 
     def _logged(self) -> None:
-        """A unit is in the redo log (and its savepoint released)."""
+        """A unit is in the redo log."""
         self._redo_seq += 1
         self._uncommitted += 1
         if self._uncommitted == 1 and self.on_uncommitted is not None:
@@ -551,12 +562,11 @@ class Journal:
 
     @contextmanager
     def _logged_unit(self) -> Iterator[None]:
-        """A unit under group commit: a savepoint in the batch's transaction, appended to the
-        redo log at its end (or rolled back, if it failed or the append did)."""
+        """A unit under group commit: run in the batch's transaction, appended to the redo
+        log at its end (or undone, if it failed or the append did: ``_undo_unit``)."""
         assert self._redo is not None
         if not self._db.in_transaction:
             self._db.execute("BEGIN IMMEDIATE")
-        self._db.execute("SAVEPOINT unit")
         self._in_tx = True
         self._unit = []
         try:
@@ -564,10 +574,9 @@ class Journal:
             if self._unit:
                 self._redo.append(self._redo_seq + 1, self._unit)
         except BaseException:
-            self._undo_unit()
+            self._undo_unit(ran=bool(self._unit))
             raise
         else:
-            self._db.execute("RELEASE unit")
             if self._unit:
                 self._logged()
         finally:
