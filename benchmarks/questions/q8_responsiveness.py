@@ -33,7 +33,10 @@ Measured from outside the daemon, file store on the local disk (the work dir):
                   and in nullfs (questions/nullfs.py, the do-nothing pyfuse3 daemon): the
                   ratio to nullfs per round, and each daemon's CPU per create; with
                   ``--q8-baseline DIR``, another checkout's ckptfs (staging on tmpfs) in the
-                  same rounds, e.g. the code before a change. (The VM's disk
+                  same rounds, e.g. the code before a change. Every round starts with
+                  all mounts' uploads done (``ckptfs sync`` on each): a round measures one
+                  side's create path and its own uploads, not the batch the side before it
+                  is still uploading (until stop 38 it did, and the ratio paid for it). (The VM's disk
                   is ext4 mounted without a journal: there the kernel's inode allocator skips
                   inodes deleted in the last seconds one by one, ``recently_deleted()``, so a
                   create right after many deletions costs more; a journaled ext4 or XFS on
@@ -253,8 +256,11 @@ def run_creates(b: Bench, batch: int, rounds: int,
                 order = sides[rnd % len(sides):] + sides[:rnd % len(sides)]
                 for side in order:
                     m = mounts.get(side)
-                    if m is not None:
-                        m.sync()
+                    # Every mount's uploads done, not only this one's: the side before would
+                    # otherwise upload its batch during this round (its yield gate holds it
+                    # only while its own job writes), and whichever side follows it pays.
+                    for other in mounts.values():
+                        other.sync()
                     sync_disk()
                     pid = m.pid if m is not None else null.pid
                     # nullfs has no mkdir: its files go in its root, named per round.
