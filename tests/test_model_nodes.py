@@ -506,6 +506,14 @@ SWEPT_OVER_A_LATE_MARKER_REWRITE = (2, [
     Op("write", 0, "step1.tmp/.metadata"), Op("sync", 0), Op("write", 1, "step1.tmp/.metadata"),
     Op("rename", 0, "step1.tmp", "step1"), *[Op("write", 0, "step1/a")] * 5, Op("power", 1)])
 
+# Another node's file moved away and back, then its directory renamed: the version is at its
+# old key again with the same stamp, and the record of its first move is still in its writer's
+# mailbox. A sweep that skipped versions with a record lost it (a rule tried for seed 376 and
+# dropped; seed 291 again, shrunk from 16 ops).
+MOVED_AWAY_AND_BACK_BEFORE_A_RENAME = (2, [
+    Op("write", 1, "step2.tmp/m/a"), Op("rename", 0, "step2.tmp/m/a", "step2.tmp/b"),
+    Op("rename", 0, "step2.tmp/b", "step2.tmp/m/a"), Op("rename", 0, "step2.tmp", "step2")])
+
 # Not a fault of ckptfs but of the reference: retention's deletion of a checkpoint removed
 # its directory too, everywhere, while the reference kept it (seed 368, shrunk from 20 ops).
 RETENTION_REMOVES_THE_DIRECTORY = (2, [
@@ -575,6 +583,7 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "renamed-on-before-it-overwrote": RENAMED_ON_BEFORE_IT_OVERWROTE,
          "swept-over-a-late-rewrite": SWEPT_OVER_A_LATE_REWRITE,
          "swept-over-a-late-marker-rewrite": SWEPT_OVER_A_LATE_MARKER_REWRITE,
+         "moved-away-and-back-before-a-rename": MOVED_AWAY_AND_BACK_BEFORE_A_RENAME,
          "retention-removes-the-directory": RETENTION_REMOVES_THE_DIRECTORY}
 
 
