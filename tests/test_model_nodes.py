@@ -514,6 +514,16 @@ MOVED_AWAY_AND_BACK_BEFORE_A_RENAME = (2, [
     Op("write", 1, "step2.tmp/m/a"), Op("rename", 0, "step2.tmp/m/a", "step2.tmp/b"),
     Op("rename", 0, "step2.tmp/b", "step2.tmp/m/a"), Op("rename", 0, "step2.tmp", "step2")])
 
+# A file exchanged with one of another name is put again at its new name in the same version
+# (its stamp unchanged); another node rewrote it there, and a power loss made this node forget
+# that put: the record named the row's own stamp, which was taken for a commit the journal
+# kept, and the old version was put back over the rewrite (seed 407; deterministic, and on the
+# last stop's code too; shrunk from 11 ops).
+EXCHANGED_PUT_FORGOTTEN = (2, [
+    Op("write", 0, "step1/a"), Op("write", 1, "step2/a"), Op("kill", 1),
+    Op("write", 1, "step1/a"), Op("rmtree", 1, "step1"), Op("write", 1, "step1/a"),
+    Op("exchange", 1, "step1/a", "step2/a"), Op("write", 0, "step1/a"), Op("power", 1)])
+
 # Not a fault of ckptfs but of the reference: retention's deletion of a checkpoint removed
 # its directory too, everywhere, while the reference kept it (seed 368, shrunk from 20 ops).
 RETENTION_REMOVES_THE_DIRECTORY = (2, [
@@ -584,6 +594,7 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "swept-over-a-late-rewrite": SWEPT_OVER_A_LATE_REWRITE,
          "swept-over-a-late-marker-rewrite": SWEPT_OVER_A_LATE_MARKER_REWRITE,
          "moved-away-and-back-before-a-rename": MOVED_AWAY_AND_BACK_BEFORE_A_RENAME,
+         "exchanged-put-forgotten": EXCHANGED_PUT_FORGOTTEN,
          "retention-removes-the-directory": RETENTION_REMOVES_THE_DIRECTORY}
 
 

@@ -460,7 +460,11 @@ class Lister:
                 version > self.journal.current_version():
             return False
         row = self.ns.entry_at(record.key)
-        if row is None or row.version != version or row.stamp == record.stamp or \
+        # The row's stamp is the record's where the journal kept that very commit; an
+        # exchange puts the same version again at the other name, where a commit of the
+        # same stamp is what the power loss made it forget (``remote_key`` still elsewhere).
+        if row is None or row.version != version or \
+                (row.stamp == record.stamp and row.remote_key == record.key) or \
                 not stat.S_ISREG(row.mode) or row.incomplete or self._is_busy(row.ino) or \
                 row.state not in (State.STAGED, State.UPLOADING) or row.parent is None or \
                 row.name is None:
