@@ -604,10 +604,10 @@ class Journal:
         keeps the WAL short; with it, its thread does, and the loop waits for no more than
         the two fsyncs here.
         """
-        self.commit_batch()
-        if not self._background_checkpoints:  # else its thread keeps the WAL short
+        committed = self._commit_or_keep_logged()
+        if committed and not self._background_checkpoints:  # else its thread keeps it short
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        self._sync_files()
+        self._sync_files(log_too=not committed)
 
     async def make_durable_async(self) -> None:
         """``make_durable`` for a FUSE request (fsync, fsyncdir): the disk waits happen in a
@@ -620,10 +620,28 @@ class Journal:
         frames it copies into the database itself before the WAL is reused. No PASSIVE
         checkpoint here: it would wait on the disk on the loop.
         """
-        self.commit_batch()
-        await trio.to_thread.run_sync(self._sync_files)
+        committed = self._commit_or_keep_logged()
+        await trio.to_thread.run_sync(self._sync_files, not committed)
 
-    def _sync_files(self) -> None:
+    def _commit_or_keep_logged(self) -> bool:
+        """``commit_batch`` for ``make_durable``: whether the batch committed. On a full disk
+        SQLite cannot grow its WAL (the writers filled the staging filesystem, and the
+        eviction that would free it wants its units durable first: its failure was a
+        writer's EIO); the batch then stays in the redo log, whose blocks are its own, and
+        the caller syncs the log too. The database as at its last commit, and the log's units
+        numbered after it (at its start, in order: the log is reused from its start at every
+        commit), are then what a restart after a power loss replays."""
+        try:
+            self.commit_batch()
+        except sqlite3.OperationalError as exc:
+            if self._redo is None or exc.sqlite_errorcode != sqlite3.SQLITE_FULL:
+                raise
+            log.warning("journal: a full disk: the batch is made durable in the redo log "
+                        "until it can commit (%s)", exc)
+            return False
+        return True
+
+    def _sync_files(self, log_too: bool = False) -> None:
         for name in (f"{self.path}-wal", str(self.path)):
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
@@ -642,6 +660,8 @@ class Journal:
             finally:
                 os.close(fd)
             self._wal_named = True
+        if log_too and self._redo is not None:
+            self._redo.sync()
 
     # -- inodes ---------------------------------------------------------------------------
 

@@ -22,9 +22,9 @@ Invariants:
 - Replay (at open) applies the units numbered ``redo_seq + 1, + 2, ...`` in order and stops at
   the first gap, short record or checksum mismatch: the journal is then at a *prefix* of what
   happened, as after a power loss, never at a state with a unit missing in the middle. A power
-  loss may leave any part of this log (it is never fsynced: ``make_durable`` commits first, and
-  the database carries durability), older units the new ones had overwritten included; their
-  numbers say which are the next ones.
+  loss may leave any part of this log (``make_durable`` commits first, and the database carries
+  durability; the log is fsynced only when that commit fails on a full disk, ``sync``), older
+  units the new ones had overwritten included; their numbers say which are the next ones.
 - One writer: the process that appends holds the log's lock (``lock``); a process that finds
   it taken (a tool opening the journal beside the live daemon) neither replays nor empties it.
 - The statements are deterministic given the database they run on (every value is a
@@ -99,6 +99,11 @@ class RedoLog:
         What is left behind it are units numbered at or below the database's ``redo_seq``,
         which ``read_units`` skips."""
         self._offset = 0
+
+    def sync(self) -> None:
+        """Make the units appended so far survive a power loss (a batch that cannot commit
+        on a full disk: the journal's ``make_durable``)."""
+        os.fsync(self._fd)
 
     @property
     def size(self) -> int:
