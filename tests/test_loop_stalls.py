@@ -50,7 +50,7 @@ async def test_other_requests_are_answered_while_an_fsync_waits_for_the_disk(
         monkeypatch.setattr(fs.staging, "sync", lambda fd, d: (blocked(), real(fd, d))[1])
     else:
         real_files = fs.journal._sync_files
-        monkeypatch.setattr(fs.journal, "_sync_files", lambda: (blocked(), real_files())[1])
+        monkeypatch.setattr(fs.journal, "_sync_files", lambda *log: (blocked(), real_files(*log))[1])
 
     done = trio.Event()
 
