@@ -524,6 +524,15 @@ EXCHANGED_PUT_FORGOTTEN = (2, [
     Op("write", 1, "step1/a"), Op("rmtree", 1, "step1"), Op("write", 1, "step1/a"),
     Op("exchange", 1, "step1/a", "step2/a"), Op("write", 0, "step1/a"), Op("power", 1)])
 
+# Another node rewrote the tmp dir's marker; this node renamed the dir and wrote the marker
+# again under the new name. The sweep left the old key to this node's rewrite, whose
+# retirement of its old copy is pinned to its own version: the other node's rewrite stayed
+# under the old name (seed 449; deterministic, and on the last stop's code too; shrunk from
+# 16 ops).
+REWRITE_LEFT_UNDER_THE_OLD_NAME = (2, [
+    Op("write", 0, "step1.tmp/.metadata"), Op("write", 1, "step1.tmp/.metadata"),
+    Op("rename", 0, "step1.tmp", "step1"), Op("write", 0, "step1/.metadata")])
+
 # Not a fault of ckptfs but of the reference: retention's deletion of a checkpoint removed
 # its directory too, everywhere, while the reference kept it (seed 368, shrunk from 20 ops).
 RETENTION_REMOVES_THE_DIRECTORY = (2, [
@@ -595,6 +604,7 @@ FOUND = {"rotation": ROTATION, "rewrite-in-tmp-commit": REWRITE_IN_TMP_COMMIT,
          "swept-over-a-late-marker-rewrite": SWEPT_OVER_A_LATE_MARKER_REWRITE,
          "moved-away-and-back-before-a-rename": MOVED_AWAY_AND_BACK_BEFORE_A_RENAME,
          "exchanged-put-forgotten": EXCHANGED_PUT_FORGOTTEN,
+         "rewrite-left-under-the-old-name": REWRITE_LEFT_UNDER_THE_OLD_NAME,
          "retention-removes-the-directory": RETENTION_REMOVES_THE_DIRECTORY}
 
 

@@ -1416,9 +1416,10 @@ class Uploader:
 
         The rows this node holds at an old key take the new key (and the version found
         there, if another node's is newer than theirs: their local copy goes). A key that a
-        row changed here since the rename is left to that row (its upload retires it), and
-        at the new key a row written or changed here since the rename wins over the version
-        the sweep found (its version is above the sweep's mark)."""
+        row changed here since the rename is left to that row (its upload retires it; another
+        node's version there, which none of this node's rows holds, is deleted:
+        ``_held_over``), and at the new key a row written or changed here since the rename
+        wins over the version the sweep found (its version is above the sweep's mark)."""
         found = self.journal.sweep(sweep_id)
         if found is None:
             return
@@ -1519,8 +1520,15 @@ class Uploader:
         async def one(listed: ObjectInfo) -> None:
             async with limit:
                 info = await self._described(listed)
-                if info is None or self._held(info.key, mark):
-                    return  # gone meanwhile, or a row changed here since carries it
+                if info is None:
+                    return  # gone meanwhile
+                if self._held(info.key, mark):
+                    # A row changed here since carries the key: its upload retires its own
+                    # version there, and only that one (pinned).
+                    if self._held_over(info):
+                        await self.peers.delete(info.key, stamp=info.meta.stamp,
+                                                etag=info.etag)
+                    return
                 target = new + info.key[len(old):]
                 if self._lives_elsewhere(info.key, target):
                     return  # renamed before the directory: its own move carries it
@@ -1581,6 +1589,18 @@ class Uploader:
             if _changed_here(row, mark):
                 return True
         return False
+
+    def _held_over(self, info: ObjectInfo) -> bool:
+        """Whether ``info``, at a key rows of this node hold, is another node's version that
+        none of them holds: a rewrite that node closed before the rename and uploaded under
+        the old name, while the file was written again here after the rename. The job
+        replaced it, and the rows' retirement of their old copy, pinned to their own
+        version, would leave it there for good."""
+        stamp = info.meta.stamp
+        if stamp is None or not self.peers.foreign(stamp):
+            return False
+        rows = self._holder_rows(info.key)
+        return bool(rows) and not any(_same_version(row, info) for row in rows)
 
     def _lives_elsewhere(self, key: str, target: str) -> bool:
         """Whether a row of this node holding ``key`` has another path than ``target`` now:
