@@ -1525,7 +1525,7 @@ class Uploader:
                 if self._held(info.key, mark):
                     # A row changed here since carries the key: its upload retires its own
                     # version there, and only that one (pinned).
-                    if self._held_over(info):
+                    if self._held_over(info, mark):
                         await self.peers.delete(info.key, stamp=info.meta.stamp,
                                                 etag=info.etag)
                     return
@@ -1590,17 +1590,20 @@ class Uploader:
                 return True
         return False
 
-    def _held_over(self, info: ObjectInfo) -> bool:
+    def _held_over(self, info: ObjectInfo, mark: int) -> bool:
         """Whether ``info``, at a key rows of this node hold, is another node's version that
-        none of them holds: a rewrite that node closed before the rename and uploaded under
-        the old name, while the file was written again here after the rename. The job
-        replaced it, and the rows' retirement of their old copy, pinned to their own
-        version, would leave it there for good."""
+        none of them holds, and each of them was written again here after the rename (its
+        version above the sweep's ``mark``): a rewrite that node closed before the rename and
+        uploaded under the old name. The job replaced it, and the rows' retirement of their
+        old copy, pinned to their own version, would leave it there for good. Not if one came
+        back incomplete after a power loss: the listing may take that version for it."""
         stamp = info.meta.stamp
         if stamp is None or not self.peers.foreign(stamp):
             return False
         rows = self._holder_rows(info.key)
-        return bool(rows) and not any(_same_version(row, info) for row in rows)
+        return bool(rows) and all(
+            not row.incomplete and row.version > mark and not _same_version(row, info)
+            for row in rows)
 
     def _lives_elsewhere(self, key: str, target: str) -> bool:
         """Whether a row of this node holding ``key`` has another path than ``target`` now:
