@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,52 +164,61 @@ def test_a_reader_beside_the_live_writer_leaves_its_log_alone(tmp_path: Path) ->
     again.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
-def test_a_disk_the_writers_filled_leaves_the_log_its_room(tmp_path: Path) -> None:
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs, unmounted at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs")
+    path = tmp_path / "disk"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "redo-test", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """What the writers do: fill ``disk`` to its last byte; the file that does it."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f, pytest.raises(OSError, match="No space"):
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    return filler
+
+
+def test_a_disk_the_writers_filled_leaves_the_log_its_room(disk: Path) -> None:
     """The writers fill the staging filesystem to its last byte: the units that would free it
     (an upload's, an eviction's) still go in the log, whose blocks it took when it opened and
     keeps after every commit (a log emptied by truncation met ENOSPC there, and the uploads
     that would have made room failed for good: a staging-full test hung)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "redo-test", str(disk)],
-                   check=True)
-    try:
-        path = disk / "journal.db"
-        journal = opened(path)
-        for i in range(100):  # the WAL's pages, reused after the checkpoint
-            journal.set_value("k/1", str(i))
-        journal.make_durable()  # commits, checkpoints
-        # The writers, to the last byte.
-        with open(disk / "filler", "wb") as filler, pytest.raises(OSError, match="No space"):
-            while True:
-                filler.write(b"\0" * 65536)
-                filler.flush()
-        for i in range(180):  # the log has room; the WAL reuses its pages
-            journal.set_value("k/1", str(i))
-            if i % 50 == 49:
-                journal.commit_batch()
-        seen = state(journal)
-        journal.abandon()
-        (disk / "filler").unlink()
-        again = opened(path)
-        assert state(again) == seen
-        again.close()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+    path = disk / "journal.db"
+    journal = opened(path)
+    for i in range(100):  # the WAL's pages, reused after the checkpoint
+        journal.set_value("k/1", str(i))
+    journal.make_durable()  # commits, checkpoints
+    filler = fill(disk)
+    for i in range(180):  # the log has room; the WAL reuses its pages
+        journal.set_value("k/1", str(i))
+        if i % 50 == 49:
+            journal.commit_batch()
+    seen = state(journal)
+    journal.abandon()
+    filler.unlink()
+    again = opened(path)
+    assert state(again) == seen
+    again.close()
 
 
 def test_make_durable_on_a_disk_too_full_to_commit_syncs_the_log(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The writers filled the disk and the batch needs more WAL than SQLite has: the COMMIT
     fails (SQLITE_FULL), and ``make_durable`` (an eviction's, which would free the disk) syncs
     the redo log instead of failing (it failed a writer with EIO, 1 run in 10 of the staging
     test under load). A power loss then finds the database at its last commit and the units
     after it in the log."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "redo-test", str(disk)],
-                   check=True)
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -216,39 +226,33 @@ def test_make_durable_on_a_disk_too_full_to_commit_syncs_the_log(
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
 
-    try:
-        path = disk / "journal.db"
-        journal = opened(path)
-        journal.set_value("k/first", "1")
-        journal.make_durable()
-        durable = shutil.copy(path, tmp_path / "durable.db")  # checkpointed: the WAL is in it
-        with open(disk / "filler", "wb") as filler, pytest.raises(OSError, match="No space"):
-            while True:
-                filler.write(b"\0" * 65536)
-                filler.flush()
-        for i in range(800):  # more pages than the WAL has (~160 KB): its COMMIT needs blocks
-            journal.set_value(f"k/{i:04d}", "x" * 400)
-        with pytest.raises(sqlite3.OperationalError, match="full"):
-            journal.commit_batch()
-        monkeypatch.setattr(os, "fsync", fsync)
-        journal.make_durable()
-        monkeypatch.setattr(os, "fsync", real_fsync)
-        assert f"{path}-redo" in synced
-        seen = state(journal)
-        log = Path(f"{path}-redo").read_bytes()
-        journal.abandon()
-        # The power loss: the database as at its last durable commit, the log as synced.
-        (disk / "filler").unlink()
-        for suffix in ("-wal", "-shm"):
-            Path(f"{path}{suffix}").unlink(missing_ok=True)
-        shutil.copy(durable, path)
-        Path(f"{path}-redo").write_bytes(log)
-        again = opened(path)
-        assert state(again) == seen
-        assert len(seen["values"]) == 801  # type: ignore[arg-type]
-        again.close()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+    path = disk / "journal.db"
+    journal = opened(path)
+    journal.set_value("k/first", "1")
+    journal.make_durable()
+    durable = shutil.copy(path, tmp_path / "durable.db")  # checkpointed: the WAL is in it
+    filler = fill(disk)
+    for i in range(800):  # more pages than the WAL has (~160 KB): its COMMIT needs blocks
+        journal.set_value(f"k/{i:04d}", "x" * 400)
+    with pytest.raises(sqlite3.OperationalError, match="full"):
+        journal.commit_batch()
+    monkeypatch.setattr(os, "fsync", fsync)
+    journal.make_durable()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert f"{path}-redo" in synced
+    seen = state(journal)
+    log = Path(f"{path}-redo").read_bytes()
+    journal.abandon()
+    # The power loss: the database as at its last durable commit, the log as synced.
+    filler.unlink()
+    for suffix in ("-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    shutil.copy(durable, path)
+    Path(f"{path}-redo").write_bytes(log)
+    again = opened(path)
+    assert state(again) == seen
+    assert len(seen["values"]) == 801  # type: ignore[arg-type]
+    again.close()
 
 
 def test_make_durable_commits_the_batch_first(tmp_path: Path) -> None:

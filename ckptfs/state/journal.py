@@ -453,10 +453,9 @@ class Journal:
         database then says exactly what the requests before were told (rare)."""
         if not ran and self._db.in_transaction:
             return
-        self._written.clear()  # it may hold values of the statements rolled back
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
-        self._rerun_logged()
+        self._rerun_logged()  # and forgets what ``_written`` held of the batch
 
     async def commit_batches(self, interval: float = BATCH_INTERVAL,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
